@@ -1,0 +1,300 @@
+"""One setup factory per case: inputs, mods, masks and the float64 golden that every provider shares."""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from bench import dense
+from bench.flops import attention_flops, block_density, decode_bytes
+from bench.grid import Case, Settings
+from bench.mods import Mods, offset_indices, resolve
+
+
+@dataclass
+class InputSet:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor | None
+
+
+@dataclass
+class Slice:
+    """One (batch, kv-head) slice of the problem: query heads ``h0 .. h0 + group``."""
+
+    b: int
+    kv_head: int
+    h0: int
+    group: int
+
+
+@dataclass
+class CaseContext:
+    """Everything the providers of one case share; expensive parts are built on first use.
+
+    The inputs follow the case's layout (B, H, L, D). For decoding the mods see the query at
+    position ``KV_LEN - Q_LEN`` (see :func:`bench.mods.offset_indices`).
+    """
+
+    case: Case
+    settings: Settings
+    device: torch.device
+    mods: Mods
+    captured: list[torch.Tensor]
+    inputs: list[InputSet] = field(default_factory=list)
+    _cache: dict = field(default_factory=dict)
+
+    # ---- shapes and work -------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.case.torch_dtype()
+
+    @property
+    def needs_grad(self) -> bool:
+        return self.case.pass_ == "fwd_bwd"
+
+    @property
+    def learnable(self) -> list[torch.Tensor]:
+        """Captured tensors that require grad: their gradients are compared on backward passes."""
+        return [t for t in self.captured if t.requires_grad]
+
+    def mask_dims(self) -> tuple[int, int]:
+        if self.mods.mask_mod is None:
+            return 1, 1
+        return self._cached("mask_dims", lambda: dense.broadcast_dims(
+            self.mods.mask_mod, False, self.case.batch, self.case.q_heads, self.device))
+
+    def flex_block_mask(self):
+        """flexcore's BlockMask of the mask_mod (None when there is no mask)."""
+        if self.mods.mask_mod is None:
+            return None
+
+        def build():
+            from flexcore import create_block_mask
+
+            c = self.case
+            mb, mh = self.mask_dims()
+            return create_block_mask(self.mods.mask_mod, mb if mb > 1 else None, mh if mh > 1 else None,
+                                     c.q_len, c.kv_len, device=self.device,
+                                     BLOCK_SIZE=self.settings.block_size)
+
+        return self._cached("flex_block_mask", build)
+
+    def density(self) -> float:
+        """Fraction of BLOCK_SIZE blocks computed (FLOP convention of ANCHORS.md)."""
+        if self.mods.mask_mod is None:
+            return 1.0
+        return self._cached("density", lambda: block_density(self.flex_block_mask()))
+
+    def flops(self) -> float:
+        c = self.case
+        return attention_flops(c.batch, c.q_heads, c.q_len, c.kv_len, c.head_dim, c.v_head_dim,
+                               self.density(), c.pass_)
+
+    def bytes_moved(self) -> float:
+        c = self.case
+        return decode_bytes(c.batch, c.kv_heads, c.kv_len, c.head_dim, c.v_head_dim,
+                            torch.tensor([], dtype=self.dtype).element_size(), self.density())
+
+    # ---- dense forms for providers without mods --------------------------------------------
+    def budget_bytes(self) -> int:
+        return int(self.settings.mask_budget_gb * 2**30)
+
+    def dense_mask(self):
+        """Dense boolean mask, or None without a mask_mod; raises NotExpressible over budget."""
+        if self.mods.mask_mod is None:
+            return None
+        c = self.case
+        return self._cached("dense_mask", lambda: dense.dense_mask(
+            self.mods.mask_mod, c.batch, c.q_heads, c.q_len, c.kv_len, self.device, self.budget_bytes()))
+
+    def mask_shape(self) -> dense.MaskShape:
+        def build():
+            try:
+                return dense.classify_mask(self.dense_mask(), self.case.q_len, self.case.kv_len)
+            except dense.NotExpressible:
+                return dense.MaskShape("other")
+
+        return self._cached("mask_shape", build)
+
+    def score_is_trivial(self) -> bool:
+        c = self.case
+        return self._cached("score_trivial", lambda: dense.is_trivial_score(
+            self.mods.score_mod, c.batch, c.q_heads, c.q_len, c.kv_len, self.device))
+
+    def dense_bias(self):
+        """Dense additive bias in the case dtype (-inf where masked); raises NotExpressible."""
+        c = self.case
+        return self._cached("dense_bias", lambda: dense.dense_bias(
+            self.mods.score_mod, self.mods.mask_mod, c.batch, c.q_heads, c.q_len, c.kv_len,
+            self.device, self.dtype, self.budget_bytes()))
+
+    def _cached(self, key, build):
+        if key not in self._cache:
+            try:
+                self._cache[key] = ("ok", build())
+            except Exception as exc:  # remember failures too, so that each is raised once per case
+                self._cache[key] = ("error", exc)
+        status, value = self._cache[key]
+        if status == "error":
+            raise value
+        return value
+
+    def release(self) -> None:
+        """Drop cached tensors (dense masks can be GiBs) before the next case."""
+        self._cache.clear()
+        self.inputs.clear()
+
+    # ---- the float64 golden ----------------------------------------------------------------
+    def slices(self) -> list[Slice]:
+        """The (batch, kv-head) slices checked against float64: all of them when the problem is small
+        (``settings.ref_full_elements``) or ``ref_slices`` is 0, else ``ref_slices`` spread evenly."""
+        c = self.case
+        group = c.q_heads // c.kv_heads
+        pairs = [(b, kvh) for b in range(c.batch) for kvh in range(c.kv_heads)]
+        n = self.settings.ref_slices
+        small = c.batch * c.q_heads * c.q_len * c.kv_len <= self.settings.ref_full_elements
+        if n <= 0 or n >= len(pairs) or small:
+            chosen = pairs
+        else:
+            step = (len(pairs) - 1) / max(1, n - 1)
+            chosen = sorted({pairs[round(i * step)] for i in range(n)})
+        return [Slice(b, kvh, kvh * group, group) for b, kvh in chosen]
+
+    def coverage(self) -> str:
+        """Text for the results: which part of the output the errors are computed on."""
+        c = self.case
+        slices = self.slices()
+        if len(slices) == c.batch * c.kv_heads:
+            return "all"
+        return ";".join(f"b{s.b}/h{s.h0}:{s.h0 + s.group}" for s in slices)
+
+    def slice_mods(self, s: Slice) -> Mods:
+        return offset_indices(self.mods, b0=s.b, h0=s.h0)
+
+    def slice_tensors(self, s: Slice, q, k, v):
+        return (q[s.b:s.b + 1, s.h0:s.h0 + s.group], k[s.b:s.b + 1, s.kv_head:s.kv_head + 1],
+                v[s.b:s.b + 1, s.kv_head:s.kv_head + 1])
+
+    def slice_block_mask(self, s: Slice, mods: Mods):
+        if mods.mask_mod is None:
+            return None
+        from flexcore import create_block_mask
+
+        return create_block_mask(mods.mask_mod, None, s.group, self.case.q_len, self.case.kv_len,
+                                 device=self.device, BLOCK_SIZE=self.settings.block_size)
+
+    def correctness_dout(self) -> torch.Tensor | None:
+        """The output gradient of the correctness run: zero outside the checked slices, so that every
+        gradient (including captured tensors') is exactly that of the checked slices."""
+        if not self.needs_grad:
+            return None
+
+        def build():
+            dout = self.inputs[0].dout
+            slices = self.slices()
+            if len(slices) == self.case.batch * self.case.kv_heads:
+                return dout
+            masked = torch.zeros_like(dout)
+            for s in slices:
+                masked[s.b, s.h0:s.h0 + s.group] = dout[s.b, s.h0:s.h0 + s.group]
+            return masked
+
+        return self._cached("correctness_dout", build)
+
+    def golden(self) -> dict:
+        """float64 outputs and gradients on the checked slices: {"out": [...], "dq": [...], ...,
+        "captured": [per learnable tensor]} (lists follow :meth:`slices`)."""
+        return self._cached("golden", lambda: self._reference(upcast=True))
+
+    def _reference(self, upcast: bool) -> dict:
+        from flexcore.reference import flex_attention_reference
+
+        first = self.inputs[0]
+        result = {"out": [], "dq": [], "dk": [], "dv": []}
+        learnable = self.learnable
+        cap_grads = [None] * len(learnable)
+        dout = self.correctness_dout()
+        for s in self.slices():
+            mods = self.slice_mods(s)
+            q, k, v = self.slice_tensors(s, first.q, first.k, first.v)
+            if upcast:
+                q, k, v = (t.detach().double() for t in (q, k, v))
+            else:
+                q, k, v = (t.detach() for t in (q, k, v))
+            with torch.set_grad_enabled(self.needs_grad):
+                if self.needs_grad:
+                    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+                out = flex_attention_reference(q, k, v, score_mod=mods.score_mod,
+                                               block_mask=self.slice_block_mask(s, mods),
+                                               enable_gqa=s.group > 1, upcast=upcast)
+                if self.needs_grad:
+                    g = dout[s.b:s.b + 1, s.h0:s.h0 + s.group].to(out.dtype)
+                    grads = torch.autograd.grad(out, [q, k, v, *learnable], g, allow_unused=True)
+                    for name, grad in zip(("dq", "dk", "dv"), grads[:3]):
+                        result[name].append(grad.detach())
+                    for i, grad in enumerate(grads[3:]):
+                        if grad is not None:
+                            grad = grad.detach().double()
+                            cap_grads[i] = grad if cap_grads[i] is None else cap_grads[i] + grad
+            result["out"].append(out.detach())
+        result["captured"] = [g if g is not None else torch.zeros_like(t, dtype=torch.float64)
+                              for g, t in zip(cap_grads, learnable)]
+        return result
+
+    def reference_baseline(self) -> dict:
+        """flexcore's eager reference in the case dtype (``upcast=False``): the same-dtype baseline when
+        SDPA math cannot express the variant."""
+        return self._cached("ref_baseline", lambda: self._reference(upcast=False))
+
+
+def make_context(case: Case, settings: Settings, device: torch.device, n_sets: int | None = None
+                 ) -> CaseContext:
+    """Build a case's context: resolve the variant, allocate the rotated input sets (seeded)."""
+    c = case
+    resolved = resolve(c.variant, B=c.batch, H=c.q_heads, KV_HEADS=c.kv_heads, Q_LEN=c.q_len,
+                       KV_LEN=c.kv_len, D=c.head_dim, device=device, dtype=c.torch_dtype())
+    captured = list(resolved.captured)
+    mods = Mods(resolved.label, resolved.score_mod, resolved.mask_mod, tuple(captured))
+    if c.pass_ == "decode":
+        mods = offset_indices(mods, q0=c.kv_len - c.q_len)
+    ctx = CaseContext(c, settings, device, mods, captured)
+    gen = torch.Generator(device="cpu").manual_seed(settings.seed + _stable_hash(c.case_id))
+    dtype = c.torch_dtype()
+    set_bytes = (c.batch * c.q_heads * c.q_len * c.head_dim + c.batch * c.kv_heads * c.kv_len
+                 * (c.head_dim + c.v_head_dim)) * torch.tensor([], dtype=dtype).element_size()
+    if n_sets is None:
+        n_sets = rotation_sets(set_bytes, device)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+    for _ in range(n_sets):
+        q = randn(c.batch, c.q_heads, c.q_len, c.head_dim)
+        k = randn(c.batch, c.kv_heads, c.kv_len, c.head_dim)
+        v = randn(c.batch, c.kv_heads, c.kv_len, c.v_head_dim)
+        dout = randn(c.batch, c.q_heads, c.q_len, c.v_head_dim) if c.pass_ == "fwd_bwd" else None
+        if c.pass_ == "fwd_bwd":
+            for t in (q, k, v):
+                t.requires_grad_(True)
+        ctx.inputs.append(InputSet(q, k, v, dout))
+    return ctx
+
+
+def rotation_sets(set_bytes: int, device: torch.device, cap: int = 4) -> int:
+    """How many input sets to rotate so that together they exceed twice the L2 cache (at most ``cap``)."""
+    if device.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) or (50 << 20)
+    else:
+        l2 = 32 << 20
+    return max(1, min(cap, math.ceil(2 * l2 / max(1, set_bytes))))
+
+
+@functools.lru_cache(maxsize=None)
+def _stable_hash(text: str) -> int:
+    import zlib
+
+    return zlib.crc32(text.encode()) % (2**31)

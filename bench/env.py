@@ -1,0 +1,104 @@
+"""The environment a run was measured in: device, driver, library versions, commit, time."""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import platform
+import socket
+import subprocess
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _version(module_name: str, dist_name: str | None = None) -> str | None:
+    try:
+        module = __import__(module_name)
+        return str(getattr(module, "__version__", None) or importlib.metadata.version(dist_name or module_name))
+    except Exception:
+        try:
+            return importlib.metadata.version(dist_name or module_name)
+        except Exception:
+            return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _flexlab_version() -> str | None:
+    try:
+        return importlib.metadata.version("flexlab")
+    except importlib.metadata.PackageNotFoundError:
+        pyproject = REPO_ROOT / "pyproject.toml"
+        if pyproject.exists():
+            for line in pyproject.read_text().splitlines():
+                if line.strip().startswith("version"):
+                    return line.split("=", 1)[1].strip().strip('"') + " (source tree)"
+    return None
+
+
+def _driver() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return None
+
+
+def capture(device: torch.device | str | None = None) -> dict:
+    """A flat JSON-able dict describing this machine and checkout.
+
+    Keys: time_utc, host, platform, python, device, gpu_name, gpu_count, gpu_memory_gb,
+    compute_capability, driver, cuda, cudnn, torch, triton, flash_attn, flexlab, git_commit,
+    git_dirty, git_branch.
+    """
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    info = {
+        "time_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "device": str(device),
+        "gpu_name": None, "gpu_count": 0, "gpu_memory_gb": None, "compute_capability": None,
+        "driver": None,
+        "cuda": torch.version.cuda,
+        "cudnn": None,
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "flash_attn": _version("flash_attn"),
+        "flexlab": _flexlab_version(),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": None,
+        "git_branch": _git("rev-parse", "--abbrev-ref", "HEAD"),
+        "cpu": platform.processor() or platform.machine(),
+    }
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    info["git_dirty"] = None if status is None else bool(status)
+    if device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu_name=props.name, gpu_count=torch.cuda.device_count(),
+                    gpu_memory_gb=round(props.total_memory / 2**30, 1),
+                    compute_capability=f"{props.major}.{props.minor}", driver=_driver())
+        try:
+            info["cudnn"] = torch.backends.cudnn.version()
+        except Exception:
+            pass
+    return info
+
+
+def label(env: dict) -> str:
+    """Short name of a run for comparisons: GPU (or CPU) and commit."""
+    device = env.get("gpu_name") or f"cpu ({env.get('cpu') or 'unknown'})"
+    commit = (env.get("git_commit") or "nocommit")[:8]
+    return f"{device} @ {commit}" + ("+dirty" if env.get("git_dirty") else "")

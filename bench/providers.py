@@ -1,0 +1,418 @@
+"""Attention providers the runner compares: flexlab, torch flex_attention, SDPA backends, flash_attn.
+
+Each provider says whether it runs on this machine (``available``) and turns a case into a call
+(``prepare``), so that building masks and compiling happen before timing. A provider that cannot
+express a variant raises :class:`Unsupported` with the reason, which the results keep.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from bench import dense
+from bench.context import CaseContext
+
+
+class Unsupported(Exception):
+    """This provider cannot run this case; the message says why (kept in the results)."""
+
+
+@dataclass
+class Prepared:
+    """A provider's call for one case.
+
+    Attributes:
+        call: ``call(q, k, v) -> out`` with the case's (B, H, L, D) layout.
+        held_bytes: memory the provider holds for the case (dense masks, BlockMask tables),
+            added to the per-call peak.
+        note: how the variant was expressed (e.g. "dense bool mask (1, 1, 4096, 4096)").
+        grad_call: like ``call``, but lets gradients reach the variant's learnable captured
+            tensors (defaults to ``call``); used by the correctness run only.
+        timing_grad_targets: extra tensors whose gradients a timed backward requests (a dense bias
+            standing in for learnable captured tensors).
+    """
+
+    call: Callable
+    held_bytes: int = 0
+    note: str = ""
+    grad_call: Callable | None = None
+    timing_grad_targets: list = field(default_factory=list)
+
+
+class Provider:
+    name = "provider"
+    description = ""
+
+    def available(self, device: torch.device) -> tuple[bool, str]:
+        """(True, what runs) or (False, why not) on this machine."""
+        raise NotImplementedError
+
+    def prepare(self, ctx: CaseContext) -> Prepared:
+        """The call for one case; raises :class:`Unsupported` when the provider cannot express it."""
+        raise NotImplementedError
+
+
+def _tensor_bytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _block_mask_bytes(bm) -> int:
+    if bm is None:
+        return 0
+    names = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+             "q_indices", "full_q_num_blocks", "full_q_indices")
+    return _tensor_bytes(*(getattr(bm, n, None) for n in names))
+
+
+# ---- flexlab ---------------------------------------------------------------------------------
+
+
+class FlexlabProvider(Provider):
+    name = "flexlab"
+    description = "flexcore.flex_attention: flexlab's fused Triton kernels"
+
+    def available(self, device):
+        try:
+            importlib.import_module("flexcore.attention")
+            importlib.import_module("flexcore.blockmask")
+        except Exception as exc:
+            return False, f"flexcore cannot be imported: {type(exc).__name__}: {exc}"
+        from flexcore._runtime import use_interpreter
+
+        if device.type == "cuda":
+            return True, "flexcore Triton kernels on the GPU"
+        if use_interpreter():
+            return True, "flexcore Triton kernels under Triton's interpreter (CPU; slow, for correctness)"
+        return False, "flexcore runs on CUDA or under TRITON_INTERPRET=1"
+
+    def prepare(self, ctx):
+        from flexcore import flex_attention
+
+        bm = ctx.flex_block_mask()
+        score_mod = ctx.mods.score_mod
+        gqa = ctx.case.gqa
+
+        def call(q, k, v):
+            return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa)
+
+        return Prepared(call, _block_mask_bytes(bm), "flexcore BlockMask" if bm is not None else "")
+
+
+# ---- torch flex_attention (compiled) ----------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # Every variant's mods are a new closure, so each case recompiles; the default limit of 8
+    # recompiles would silently fall back to eager flex_attention after eight variants.
+    cfg = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 1024))
+    for name in ("accumulated_cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 4096))
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flash_cute_error() -> str | None:
+    try:
+        importlib.import_module("flash_attn.cute")
+        return None
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+class TorchFlexProvider(Provider):
+    name = "torch_flex"
+    description = "torch.nn.attention.flex_attention under torch.compile (Triton backend)"
+    kernel_options: dict | None = None
+
+    def available(self, device):
+        try:
+            importlib.import_module("torch.nn.attention.flex_attention")
+        except Exception as exc:
+            return False, f"torch {torch.__version__} has no flex_attention ({exc})"
+        if device.type != "cuda":
+            return False, ("torch's compiled flex_attention is a GPU baseline; compiling it for the "
+                           "CPU takes minutes and is skipped here")
+        return True, f"torch {torch.__version__} flex_attention, compiled"
+
+    def prepare(self, ctx):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        c = ctx.case
+        bm = None
+        if ctx.mods.mask_mod is not None:
+            mb, mh = ctx.mask_dims()
+            bm = create_block_mask(ctx.mods.mask_mod, mb if mb > 1 else None, mh if mh > 1 else None,
+                                   c.q_len, c.kv_len, device=ctx.device,
+                                   BLOCK_SIZE=ctx.settings.block_size)
+        compiled = _compiled_flex()
+        score_mod, gqa, opts = ctx.mods.score_mod, c.gqa, self.kernel_options
+
+        def call(q, k, v):
+            return compiled(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
+                            kernel_options=opts)
+
+        return Prepared(call, _block_mask_bytes(bm), "torch BlockMask" if bm is not None else "")
+
+
+class TorchFlexFlashProvider(TorchFlexProvider):
+    name = "torch_flex_flash"
+    description = "torch flex_attention with kernel_options BACKEND=FLASH (FlashAttention-4 via flash_attn.cute)"
+    kernel_options = {"BACKEND": "FLASH"}
+
+    def available(self, device):
+        ok, why = super().available(device)
+        if not ok:
+            return ok, why
+        err = _flash_cute_error()
+        if err is not None:
+            return False, f"flash_attn.cute (FlashAttention-4) does not import: {err}"
+        return True, "torch flex_attention, compiled, BACKEND=FLASH"
+
+
+# ---- SDPA -------------------------------------------------------------------------------------
+
+
+def _sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend
+
+    return getattr(SDPBackend, name)
+
+
+class SDPAProvider(Provider):
+    """torch SDPA pinned to one backend; masks and additive score_mods become a dense mask/bias."""
+
+    backend = "MATH"
+    takes_mask = True
+
+    def available(self, device):
+        try:
+            _sdpa_backend(self.backend)
+        except (ImportError, AttributeError):
+            return False, f"torch {torch.__version__} has no SDPA backend {self.backend}"
+        if self.backend == "MATH":
+            return True, "SDPA math (eager)"
+        if device.type != "cuda":
+            return False, f"SDPA {self.backend.lower()} needs a CUDA GPU"
+        if self.backend == "CUDNN_ATTENTION" and not torch.backends.cudnn.is_available():
+            return False, "cuDNN is not available"
+        if self.backend == "FLASH_ATTENTION":
+            check = getattr(torch.backends.cuda, "is_flash_attention_available", None)
+            if check is not None and not check():
+                return False, "this torch build has no flash attention kernels"
+        return True, f"SDPA {self.backend.lower()}"
+
+    def _express(self, ctx: CaseContext, *, grad: bool = False):
+        """(attn_mask, is_causal, note) for the case, or raise Unsupported."""
+        try:
+            trivial = ctx.score_is_trivial()
+            shape = ctx.mask_shape()
+            if trivial and shape.kind == "none":
+                return None, False, "no mask"
+            if trivial and shape.kind == "causal" and shape.offset == 0:
+                return None, True, "is_causal=True"
+            if not self.takes_mask:
+                raise Unsupported(f"SDPA {self.backend.lower()} takes no attn_mask, and the variant "
+                                  "needs one (only no mask and top-left causal are expressible)")
+            if trivial:
+                mask = ctx.dense_mask()
+                return mask, False, f"dense bool mask {tuple(mask.shape)}"
+            bias = ctx.dense_bias()
+            return bias, False, f"dense {str(ctx.dtype).replace('torch.', '')} bias {tuple(bias.shape)}"
+        except dense.NotExpressible as exc:
+            raise Unsupported(str(exc)) from None
+
+    def prepare(self, ctx):
+        mask, is_causal, note = self._express(ctx)
+        backend = _sdpa_backend(self.backend)
+        gqa = ctx.case.gqa
+        c = ctx.case
+        grad_call = None
+        targets = []
+        learnable = ctx.learnable
+        if learnable and ctx.needs_grad and not ctx.score_is_trivial():
+            # Gradients reach the learnable captured tensors only through a bias built with autograd.
+            def grad_call(q, k, v):
+                bias = dense.dense_bias(ctx.mods.score_mod, ctx.mods.mask_mod, c.batch, c.q_heads,
+                                        c.q_len, c.kv_len, ctx.device, ctx.dtype, ctx.budget_bytes(),
+                                        grad=True)
+                return _sdpa(q, k, v, bias, False, gqa, backend)
+
+            mask = mask.detach().clone().requires_grad_(True)
+            targets = [mask]
+            note += "; the timed backward also computes d(bias)"
+
+        def call(q, k, v):
+            return _sdpa(q, k, v, mask, is_causal, gqa, backend)
+
+        return Prepared(call, _tensor_bytes(mask), note, grad_call, targets)
+
+
+def _sdpa(q, k, v, mask, is_causal, gqa, backend):
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    with sdpa_kernel([backend]):
+        try:
+            return sdpa(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
+        except RuntimeError as exc:
+            if "No available kernel" in str(exc):
+                raise Unsupported(f"SDPA {backend.name.lower()} refused the case: "
+                                  f"{str(exc).splitlines()[0]}") from None
+            raise
+
+
+def sdpa_reference(ctx: CaseContext, q, k, v, mods, grad: bool = False):
+    """SDPA math on a slice (1, group, L, D) with the slice's mods made dense: the same-dtype baseline.
+
+    Raises NotExpressible when no dense mask or bias can express the mods.
+    """
+    from torch.nn.attention import SDPBackend
+
+    c = ctx.case
+    group = q.shape[1]
+    trivial = ctx.score_is_trivial()
+    if mods.score_mod is None or trivial:
+        mask = None if mods.mask_mod is None else dense.dense_mask(
+            mods.mask_mod, 1, group, c.q_len, c.kv_len, ctx.device)
+    else:
+        mask = dense.dense_bias(mods.score_mod, mods.mask_mod, 1, group, c.q_len, c.kv_len, ctx.device,
+                                q.dtype, grad=grad)
+    return _sdpa(q, k, v, mask, False, group != k.shape[1], SDPBackend.MATH)
+
+
+class SDPAMath(SDPAProvider):
+    name, backend, description = "sdpa_math", "MATH", "SDPA math backend (eager reference kernels)"
+
+
+class SDPAEfficient(SDPAProvider):
+    name, backend, description = ("sdpa_efficient", "EFFICIENT_ATTENTION",
+                                  "SDPA memory-efficient backend (xFormers kernels)")
+
+
+class SDPAFlash(SDPAProvider):
+    name, backend, description = "sdpa_flash", "FLASH_ATTENTION", "SDPA flash backend (FlashAttention-2)"
+    takes_mask = False
+
+
+class SDPACudnn(SDPAProvider):
+    name, backend, description = "sdpa_cudnn", "CUDNN_ATTENTION", "SDPA cuDNN backend"
+
+
+# ---- flash_attn package (FA2 / FA3 / FA4 dense) -----------------------------------------------
+
+
+class FlashAttnProvider(Provider):
+    """The flash_attn package: causal / sliding window (bottom-right aligned), softcap, ALiBi."""
+
+    name = "flash_attn"
+    description = "flash_attn package (FA3 flash_attn_interface if present, else FA2 flash_attn)"
+    modules = (("flash_attn_interface", "FA3"), ("flash_attn", "FA2"))
+
+    def _load(self):
+        errors = []
+        for module, label in self.modules:
+            try:
+                mod = importlib.import_module(module)
+                return getattr(mod, "flash_attn_func"), label
+            except Exception as exc:
+                errors.append(f"{module}: {type(exc).__name__}: {exc}")
+        raise ImportError("; ".join(errors))
+
+    def available(self, device):
+        if device.type != "cuda":
+            return False, "flash_attn needs a CUDA GPU"
+        try:
+            _, label = self._load()
+        except ImportError as exc:
+            return False, f"not installed ({exc})"
+        return True, label
+
+    def prepare(self, ctx):
+        c = ctx.case
+        if c.dtype not in ("bfloat16", "float16"):
+            raise Unsupported(f"flash_attn takes float16/bfloat16, not {c.dtype}")
+        fn, label = self._load()
+        shape = ctx.mask_shape()
+        bottom_right = c.kv_len - c.q_len
+        kwargs: dict = {}
+        notes = []
+        if shape.kind in ("causal", "window"):
+            if shape.offset != bottom_right:
+                raise Unsupported("flash_attn aligns causal masks bottom-right; this mask is top-left "
+                                  f"with Q_LEN={c.q_len} != KV_LEN={c.kv_len}")
+            kwargs["causal"] = True
+            notes.append("causal")
+            if shape.kind == "window":
+                kwargs["window_size"] = (shape.window - 1, 0)
+                notes.append(f"window_size=({shape.window - 1}, 0)")
+        elif shape.kind != "none":
+            raise Unsupported("flash_attn expresses no mask, causal and causal sliding window only")
+        if not ctx.score_is_trivial():
+            cap = dense.softcap_value(ctx.mods.score_mod, c.batch, c.q_heads, c.q_len, c.kv_len,
+                                      ctx.device)
+            slopes = None if cap is not None else dense.alibi_slopes(
+                ctx.mods.score_mod, shape, c.batch, c.q_heads, c.q_len, c.kv_len, ctx.device)
+            if cap is not None:
+                # flash_attn caps the scaled score, as flex's score_mod sees it.
+                kwargs["softcap"] = cap
+                notes.append(f"softcap={cap:g}")
+            elif slopes is not None and label == "FA2":
+                # FA2 adds -slope·|i + KV_LEN - Q_LEN - j| to the scaled score; under the causal
+                # mask that is the ALiBi bias the score_mod computes.
+                kwargs["alibi_slopes"] = slopes.float()
+                notes.append("alibi_slopes")
+            else:
+                raise Unsupported("flash_attn expresses softcap and ALiBi (FA2, with causal) only; this "
+                                  "score_mod is neither")
+        if ctx.learnable and ctx.needs_grad:
+            raise Unsupported("flash_attn cannot return gradients of the variant's captured tensors")
+
+        def call(q, k, v):
+            out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs)
+            if isinstance(out, tuple):
+                out = out[0]
+            return out.transpose(1, 2)
+
+        return Prepared(call, 0, f"{label}: " + (", ".join(notes) or "dense"))
+
+
+class FlashAttn4Provider(FlashAttnProvider):
+    name = "fa4"
+    description = "FlashAttention-4 dense kernels (flash_attn.cute.flash_attn_func)"
+    modules = (("flash_attn.cute", "FA4"),)
+
+
+# ---- registry ---------------------------------------------------------------------------------
+
+PROVIDERS: dict[str, Provider] = {p.name: p for p in (
+    FlexlabProvider(), TorchFlexProvider(), TorchFlexFlashProvider(), SDPAMath(), SDPAEfficient(),
+    SDPAFlash(), SDPACudnn(), FlashAttnProvider(), FlashAttn4Provider())}
+
+
+def get(name: str) -> Provider:
+    try:
+        return PROVIDERS[name]
+    except KeyError:
+        raise KeyError(f"unknown provider {name!r}; known: {', '.join(PROVIDERS)}") from None
+
+
+def availability(device: torch.device, names=None) -> dict[str, tuple[bool, str]]:
+    """{provider: (available, reason)} on this machine."""
+    out = {}
+    for name in names or PROVIDERS:
+        try:
+            out[name] = get(name).available(device)
+        except Exception as exc:  # a broken optional install must not stop the run
+            out[name] = (False, f"availability check failed: {type(exc).__name__}: {exc}")
+    return out
+

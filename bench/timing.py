@@ -1,0 +1,147 @@
+"""Timing and peak memory of a prepared call: CUDA events on the GPU, a wall clock on the CPU."""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Quantiles of one call's time, in milliseconds, over ``reps`` repetitions."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    reps: int
+    method: str  # "cuda_events" or "wall_clock"
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile (q in [0, 1]) of a non-empty sequence."""
+    if not values:
+        raise ValueError("quantile of an empty sequence")
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def summarize(times_ms: Sequence[float], method: str) -> Timing:
+    return Timing(statistics.median(times_ms), quantile(times_ms, 0.2), quantile(times_ms, 0.8),
+                  len(times_ms), method)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[int], object], n_sets: int, device: torch.device, *, warmup_ms: float = 25,
+              rep_ms: float = 100, min_reps: int = 10, max_reps: int = 200, cpu_reps: int = 5) -> Timing:
+    """Time ``fn(i)`` (i picks one of ``n_sets`` input sets, rotated so that caches don't flatter).
+
+    On CUDA: warm-up for ``warmup_ms``, then ``clamp(rep_ms / estimate, min_reps, max_reps)``
+    repetitions, each between CUDA events and after flushing L2 (as triton.testing.do_bench does).
+    On the CPU: ``cpu_reps`` wall-clock repetitions after one warm-up call.
+    """
+    if device.type != "cuda":
+        fn(0)
+        times = []
+        for i in range(max(1, cpu_reps)):
+            start = time.perf_counter()
+            fn((i + 1) % n_sets)
+            times.append((time.perf_counter() - start) * 1e3)
+        return summarize(times, "wall_clock")
+
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) or (50 << 20)
+    flush = torch.empty(max(2 * l2, 64 << 20) // 4, dtype=torch.int32, device=device)
+    # Estimate one call's time.
+    synchronize(device)
+    start_ev, end_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start_ev.record()
+    for i in range(3):
+        fn(i % n_sets)
+    end_ev.record()
+    synchronize(device)
+    estimate = max(start_ev.elapsed_time(end_ev) / 3, 1e-3)
+    for i in range(max(1, int(warmup_ms / estimate))):
+        fn(i % n_sets)
+    reps = int(min(max_reps, max(min_reps, rep_ms / estimate)))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush.zero_()
+        starts[i].record()
+        fn(i % n_sets)
+        ends[i].record()
+    synchronize(device)
+    del flush
+    return summarize([s.elapsed_time(e) for s, e in zip(starts, ends)], "cuda_events")
+
+
+def time_first_call(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one synchronised call: the first call of a provider holds its compile time."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _hwm_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak resident set size (VmHWM)
+        return True
+    except OSError:
+        return False
+
+
+def peak_memory(fn: Callable[[], object], device: torch.device) -> tuple[int | None, str]:
+    """Extra memory one call needs on top of what was allocated before it: (bytes, method).
+
+    CUDA: ``torch.cuda.max_memory_allocated`` after a reset, minus the allocation before the call.
+    CPU: the process's peak resident set size (VmHWM, reset through /proc/self/clear_refs) minus
+    the resident size before the call; coarse, and None where /proc does not allow it.
+    """
+    if device.type == "cuda":
+        synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        synchronize(device)
+        return max(0, torch.cuda.max_memory_allocated(device) - before), "cuda_max_memory_allocated"
+    before = _rss_bytes()
+    if before is None or not _reset_hwm():
+        fn()
+        return None, "unavailable"
+    fn()
+    peak = _hwm_bytes()
+    if peak is None:
+        return None, "unavailable"
+    return max(0, peak - before), "rss_high_water_mark"

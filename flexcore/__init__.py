@@ -1,0 +1,32 @@
+"""flexcore: FlexAttention's API, lowered to flexlab's own fused Triton kernels.
+
+Example:
+    >>> from flexcore import flex_attention, create_block_mask
+    >>> def causal(b, h, q_idx, kv_idx):
+    ...     return q_idx >= kv_idx
+    >>> bm = create_block_mask(causal, None, None, 1024, 1024, device=q.device)
+    >>> out = flex_attention(q, k, v, block_mask=bm)
+"""
+from __future__ import annotations
+
+import importlib
+
+from flexcore._types import MaskMod, ScoreMod
+from flexcore.masks import and_masks, noop_mask, or_masks
+
+_LAZY = {
+    "flex_attention": "flexcore.attention",
+    "KernelOptions": "flexcore.options",
+    "BlockMask": "flexcore.blockmask",
+    "create_block_mask": "flexcore.blockmask",
+    "create_mask": "flexcore.blockmask",
+}
+
+__all__ = ["flex_attention", "create_block_mask", "create_mask", "BlockMask", "and_masks",
+           "or_masks", "noop_mask", "KernelOptions", "ScoreMod", "MaskMod"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'flexcore' has no attribute {name!r}")

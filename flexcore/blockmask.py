@@ -1,0 +1,910 @@
+"""Block-sparse attention masks: :class:`BlockMask`, :func:`create_block_mask`, :func:`create_mask`.
+
+Semantics follow ``torch.nn.attention.flex_attention``. Masks are built in bounded memory: the
+mask_mod is evaluated on tiles of at most ``_CHUNK_ELEMENTS`` positions, each reduced at once to
+per-block "any kept" / "all kept" flags, so a 1M-token causal mask never materialises more than the
+block tables themselves.
+
+Building a BlockMask has two steps, kept apart so that a kernel can replace the first:
+
+1. ``_classify_blocks_chunked``: mask_mod -> ``block_map`` (B, H, Q_BLOCKS, KV_BLOCKS) int8,
+   0 = empty, 1 = partial, 2 = full.
+2. :meth:`BlockMask.from_block_map`: ``block_map`` -> ordered index tables.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import itertools
+import operator
+import traceback
+from dataclasses import dataclass
+from typing import Callable, Iterator, NamedTuple
+
+import torch
+from torch import Tensor
+
+from flexcore._runtime import default_device
+from flexcore._types import MaskMod, ScoreMod
+from flexcore.errors import (ControlFlowError, FlexError, InputError, ModError, ModReturnError,
+                             ModSignatureError)
+from flexcore.masks import noop_mask
+
+__all__ = ["BlockMask", "BlockCounts", "create_block_mask", "create_mask"]
+
+DEFAULT_BLOCK_SIZE = 128
+#: Upper bound on the number of mask positions (or block-table entries) processed at once.
+#: Peak memory of mask creation is a small multiple of this, independent of Q_LEN * KV_LEN.
+_CHUNK_ELEMENTS = 1 << 26
+#: Rows of block tables converted at once hold at most this many entries; the conversion needs
+#: int64 scatter indices, kept here well below the size of one int32 table of a 1M-token mask.
+_TABLE_CHUNK_ELEMENTS = 1 << 24
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Argument checks shared by the public functions
+# ----------------------------------------------------------------------------------------------
+
+def _positive_int(value, name: str, *, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or isinstance(value, float):
+        ok = False
+    else:
+        try:
+            value = operator.index(value)
+            ok = value > 0
+        except TypeError:
+            ok = False
+    if not ok:
+        extra = " or None (broadcast over it)" if allow_none else ""
+        raise InputError(f"{name} must be a positive int{extra}; got {value!r}")
+    return value
+
+
+def _block_size_pair(BLOCK_SIZE, name: str = "BLOCK_SIZE") -> tuple[int, int]:
+    """Normalise an int or a (q, kv) pair to a pair of positive ints."""
+    valid = (f"{name} must be a positive int or a pair (Q_BLOCK_SIZE, KV_BLOCK_SIZE) of positive "
+             f"ints, e.g. 128 or (128, 64)")
+    if isinstance(BLOCK_SIZE, (tuple, list)):
+        if len(BLOCK_SIZE) != 2:
+            raise InputError(f"{valid}; got a sequence of length {len(BLOCK_SIZE)}: {BLOCK_SIZE!r}")
+        pair = BLOCK_SIZE
+    else:
+        pair = (BLOCK_SIZE, BLOCK_SIZE)
+    out = []
+    for v in pair:
+        if isinstance(v, bool) or not isinstance(v, int) and not hasattr(v, "__index__"):
+            raise InputError(f"{valid}; got {BLOCK_SIZE!r}")
+        v = operator.index(v)
+        if v <= 0:
+            raise InputError(f"{valid}; got {BLOCK_SIZE!r}")
+        out.append(v)
+    return out[0], out[1]
+
+
+def _seq_lengths_pair(seq_lengths) -> tuple[int, int]:
+    if not isinstance(seq_lengths, (tuple, list)) or len(seq_lengths) != 2:
+        raise InputError(f"seq_lengths must be a pair (Q_LEN, KV_LEN) of positive ints; "
+                         f"got {seq_lengths!r}")
+    return (_positive_int(seq_lengths[0], "seq_lengths[0] (Q_LEN)"),
+            _positive_int(seq_lengths[1], "seq_lengths[1] (KV_LEN)"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Mods: arity, location, evaluation with clear errors
+# ----------------------------------------------------------------------------------------------
+
+def _mod_location(fn) -> tuple[str, str | None, int | None]:
+    """(name, file, first line) of a user's mod, looking through partials and wrappers."""
+    target = fn
+    while isinstance(target, functools.partial):
+        target = target.func
+    try:
+        target = inspect.unwrap(target)
+    except ValueError:
+        pass
+    name = getattr(fn, "__name__", None) or getattr(target, "__name__", None) or type(fn).__name__
+    code = getattr(target, "__code__", None) or getattr(getattr(target, "__call__", None),
+                                                        "__code__", None)
+    if code is None:
+        return name, None, None
+    return name, code.co_filename, code.co_firstlineno
+
+
+def _positional_arity(fn) -> int | None:
+    """Number of required positional parameters, or None when the mod accepts ``*args``."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    count = 0
+    for p in sig.parameters.values():
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            return None
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD) \
+                and p.default is inspect.Parameter.empty:
+            count += 1
+    return count
+
+
+_SIGNATURES = {"mask": "mask_mod(b, h, q_idx, kv_idx) -> bool tensor",
+               "score": "score_mod(score, b, h, q_idx, kv_idx) -> score"}
+
+
+def _mod_kind(fn, caller: str, allowed: tuple[str, ...] = ("mask",), arg: str = "mask_mod") -> str:
+    """Check that ``fn`` is a mask_mod (4 args) or score_mod (5 args); return its kind."""
+    if not callable(fn):
+        raise InputError(f"{caller}(): {arg} must be a callable {_SIGNATURES[allowed[0]]}; "
+                         f"got {type(fn).__name__}")
+    arity = _positional_arity(fn)
+    kinds = {4: "mask", 5: "score"}
+    if arity is None:
+        return allowed[0]
+    kind = kinds.get(arity)
+    if kind in allowed:
+        return kind
+    name, filename, lineno = _mod_location(fn)
+    expected = " or ".join(f"a {_SIGNATURES[k]} ({4 if k == 'mask' else 5} positional arguments)"
+                           for k in allowed)
+    hint = ""
+    if kind == "score" and allowed == ("mask",):
+        hint = (" It looks like a score_mod: a block mask needs a mask_mod; mask with a score_mod "
+                "by returning -inf from it and passing no block_mask.")
+    raise ModSignatureError(f"{caller}() expects {expected}; {name} takes {arity}.{hint}",
+                            mod_name=name, filename=filename, lineno=lineno)
+
+
+def _raising_line(exc: BaseException, filename: str | None) -> int | None:
+    if filename is None:
+        return None
+    line = None
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename == filename:
+            line = frame.lineno
+    return line
+
+
+def _describe_args(args: tuple[Tensor, ...], names: tuple[str, ...]) -> str:
+    return ", ".join(f"{n} {tuple(a.shape)} {str(a.dtype).replace('torch.', '')}"
+                     for n, a in zip(names, args))
+
+
+def _call_mod(fn, args: tuple[Tensor, ...], kind: str) -> Tensor:
+    """Call a user's mod, turning its failures into errors that name the mod and its line."""
+    names = ("score", "b", "h", "q_idx", "kv_idx") if kind == "score" else ("b", "h", "q_idx", "kv_idx")
+    try:
+        return fn(*args)
+    except FlexError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised with the mod's name and line
+        name, filename, first = _mod_location(fn)
+        lineno = _raising_line(exc, filename) or first
+        if "Boolean value of Tensor" in str(exc) or "is ambiguous" in str(exc):
+            raise ControlFlowError(
+                "branches in Python on a tensor value (`if`, `and`, `or`, `not` on an index). "
+                "Mods are evaluated on whole index tensors: use torch.where(cond, a, b), `&`, `|`, `~`.",
+                mod_name=name, filename=filename, lineno=lineno) from exc
+        device = args[-1].device
+        raise ModError(
+            f"raised {type(exc).__name__}: {exc}\n(it was called with broadcast index tensors "
+            f"{_describe_args(args, names)} on {device}; tensors it captures must be on that device "
+            f"and indexable by every index in range)",
+            mod_name=name, filename=filename, lineno=lineno) from exc
+
+
+def _as_bool_mask(result, fn, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """Check a mask_mod's result and broadcast it (without copying) to ``shape``."""
+    name, filename, lineno = _mod_location(fn)
+    if isinstance(result, bool):
+        result = torch.tensor(result, device=device)
+    if not isinstance(result, Tensor):
+        raise ModReturnError(f"mask_mod must return a bool tensor (True keeps the position); it "
+                             f"returned {type(result).__name__}",
+                             mod_name=name, filename=filename, lineno=lineno)
+    if result.dtype != torch.bool:
+        raise ModReturnError(f"mask_mod must return a bool tensor (True keeps the position); it "
+                             f"returned {result.dtype} of shape {tuple(result.shape)}. Return a "
+                             f"comparison instead, e.g. `q_idx >= kv_idx`",
+                             mod_name=name, filename=filename, lineno=lineno)
+    return _broadcast_result(result, fn, shape, device)
+
+
+def _broadcast_result(result: Tensor, fn, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    name, filename, lineno = _mod_location(fn)
+    if result.device != device:
+        raise ModReturnError(f"returned a tensor on {result.device}, but the mask is built on "
+                             f"{device}; move the tensors it captures to {device}",
+                             mod_name=name, filename=filename, lineno=lineno)
+    try:
+        return torch.broadcast_to(result, shape)
+    except RuntimeError:
+        raise ModReturnError(f"returned shape {tuple(result.shape)}, which does not broadcast to "
+                             f"(B, H, Q, KV) = {shape}; compute the result elementwise from the "
+                             f"index arguments", mod_name=name, filename=filename,
+                             lineno=lineno) from None
+
+
+def _index_tensors(b: tuple[int, int], h: tuple[int, int], q: tuple[int, int], kv: tuple[int, int],
+                   device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Broadcast int32 index tensors b (B,1,1,1), h (1,H,1,1), q (1,1,Lq,1), kv (1,1,1,Lk)."""
+    def ar(r):
+        return torch.arange(r[0], r[1], device=device, dtype=torch.int32)
+    return (ar(b).view(-1, 1, 1, 1), ar(h).view(1, -1, 1, 1), ar(q).view(1, 1, -1, 1),
+            ar(kv).view(1, 1, 1, -1))
+
+
+def _evaluate_mask(fn, kind: str, b, h, q, kv, device) -> Tensor:
+    """Evaluate a mask_mod (or the -inf positions of a score_mod) on one tile; bool, broadcast."""
+    args = _index_tensors(b, h, q, kv, device)
+    shape = (b[1] - b[0], h[1] - h[0], q[1] - q[0], kv[1] - kv[0])
+    if kind == "mask":
+        return _as_bool_mask(_call_mod(fn, args, "mask"), fn, shape, device)
+    score = torch.zeros(shape, device=device, dtype=torch.float32)
+    result = _call_mod(fn, (score, *args), "score")
+    if not isinstance(result, Tensor) or not result.is_floating_point():
+        name, filename, lineno = _mod_location(fn)
+        got = f"{result.dtype} tensor" if isinstance(result, Tensor) else type(result).__name__
+        raise ModReturnError(f"score_mod must return a floating-point score tensor; it returned {got}",
+                             mod_name=name, filename=filename, lineno=lineno)
+    return ~torch.isneginf(_broadcast_result(result, fn, shape, device))
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 1: mask_mod -> block_map, evaluated in bounded tiles
+# ----------------------------------------------------------------------------------------------
+
+class _Tile(NamedTuple):
+    b: tuple[int, int]
+    h: tuple[int, int]
+    q: tuple[int, int]
+    kv: tuple[int, int]
+    q_group: int   # rows reduced into one block (BLOCK_SIZE, or the tile when inside one block)
+    kv_group: int
+
+
+def _plan_tiles(B: int, H: int, Q_LEN: int, KV_LEN: int, block_size: tuple[int, int],
+                budget: int) -> Iterator[_Tile]:
+    """Tiles of at most ``budget`` positions (after padding) that cover the (B, H, Q, KV) grid.
+
+    Tiles are whole blocks (a strip of q-blocks x all kv, or one q-block x a run of kv-blocks) unless
+    a single block exceeds the budget; then tiles lie inside one block and are reduced into it.
+    """
+    BQ, BK = block_size
+    QB, KB = _cdiv(Q_LEN, BQ), _cdiv(KV_LEN, BK)
+    # With a single block in a dimension the "block" is only as long as the sequence.
+    gq = BQ if QB > 1 else Q_LEN
+    gk = BK if KB > 1 else KV_LEN
+    per_bh = gq * gk
+    if B * H * per_bh <= budget:
+        bb, hb = B, H
+    elif H * per_bh <= budget:
+        bb, hb = budget // (H * per_bh), H
+    else:
+        bb, hb = 1, max(1, budget // per_bh)
+    bh = bb * hb
+    for b0, h0 in itertools.product(range(0, B, bb), range(0, H, hb)):
+        b, h = (b0, min(b0 + bb, B)), (h0, min(h0 + hb, H))
+        if bh * per_bh <= budget:
+            if bh * gq * KV_LEN <= budget:
+                nq, nk = max(1, budget // (bh * gq * KV_LEN)), KB
+            else:
+                nq, nk = 1, max(1, budget // (bh * gq * gk))
+            for qb0, kb0 in itertools.product(range(0, QB, nq), range(0, KB, nk)):
+                yield _Tile(b, h, (qb0 * BQ, min((qb0 + nq) * BQ, Q_LEN)),
+                            (kb0 * BK, min((kb0 + nk) * BK, KV_LEN)), gq, gk)
+        else:
+            tq = max(1, min(gq, budget // (bh * gk)))
+            tk = gk if bh * tq * gk <= budget else max(1, budget // bh)
+            for qb, kb in itertools.product(range(QB), range(KB)):
+                q_end, k_end = min((qb + 1) * BQ, Q_LEN), min((kb + 1) * BK, KV_LEN)
+                for q0, k0 in itertools.product(range(qb * BQ, q_end, tq), range(kb * BK, k_end, tk)):
+                    q1, k1 = min(q0 + tq, q_end), min(k0 + tk, k_end)
+                    yield _Tile(b, h, (q0, q1), (k0, k1), q1 - q0, k1 - k0)
+
+
+def _classify_blocks_chunked(mask_mod: MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int,
+                             block_size: tuple[int, int], device: torch.device,
+                             max_elements: int | None = None) -> Tensor:
+    """Classify every block of ``mask_mod`` as empty (0), partial (1) or full (2).
+
+    Positions past Q_LEN / KV_LEN are ignored: a ragged edge block whose in-range positions are all
+    kept is full. Peak memory is a few times ``max_elements`` (default ``_CHUNK_ELEMENTS``).
+
+    Returns:
+        block_map: (B, H, cdiv(Q_LEN, BQ), cdiv(KV_LEN, BK)) int8.
+    """
+    budget = max_elements or _CHUNK_ELEMENTS
+    BQ, BK = block_size
+    QB, KB = _cdiv(Q_LEN, BQ), _cdiv(KV_LEN, BK)
+    any_kept = torch.zeros(B, H, QB, KB, dtype=torch.bool, device=device)
+    all_kept = torch.ones(B, H, QB, KB, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        for tile in _plan_tiles(B, H, Q_LEN, KV_LEN, block_size, budget):
+            mask = _evaluate_mask(mask_mod, "mask", tile.b, tile.h, tile.q, tile.kv, device)
+            rows, cols = tile.q[1] - tile.q[0], tile.kv[1] - tile.kv[0]
+            nq, nk = _cdiv(rows, tile.q_group), _cdiv(cols, tile.kv_group)
+            pad_r, pad_c = nq * tile.q_group - rows, nk * tile.kv_group - cols
+            if pad_r or pad_c:  # only the ragged last blocks; padding counts as "not kept"
+                mask = torch.nn.functional.pad(mask, (0, pad_c, 0, pad_r))
+            kept = mask.reshape(mask.shape[0], mask.shape[1], nq, tile.q_group, nk,
+                                tile.kv_group).sum(dim=(3, 5), dtype=torch.int32)
+            row_idx = torch.arange(nq, device=device)
+            col_idx = torch.arange(nk, device=device)
+            valid_rows = (rows - row_idx * tile.q_group).clamp(max=tile.q_group)
+            valid_cols = (cols - col_idx * tile.kv_group).clamp(max=tile.kv_group)
+            valid = (valid_rows[:, None] * valid_cols[None, :]).to(torch.int32)
+            qb0, kb0 = tile.q[0] // BQ, tile.kv[0] // BK
+            index = (slice(*tile.b), slice(*tile.h), slice(qb0, qb0 + nq), slice(kb0, kb0 + nk))
+            any_kept[index] |= kept > 0
+            all_kept[index] &= kept == valid
+    block_map = any_kept.to(torch.int8)
+    block_map += all_kept
+    return block_map
+
+
+# ----------------------------------------------------------------------------------------------
+# Step 2: dense block flags <-> ordered index tables (bounded-memory, vectorised per chunk)
+# ----------------------------------------------------------------------------------------------
+
+def _row_chunks(rows: int, per_row: int, budget: int) -> Iterator[slice]:
+    step = max(1, budget // max(1, per_row))
+    for r0 in range(0, rows, step):
+        yield slice(r0, min(r0 + step, rows))
+
+
+def _ordered_from_map(block_map: Tensor, value: int) -> tuple[Tensor, Tensor]:
+    """Rows of ``block_map == value`` as (num, indices): listed columns first, in increasing order.
+
+    The rest of each row holds the unlisted columns in increasing order, so every row is a
+    permutation of range(C) (padding is always a valid block index).
+
+    Args:
+        block_map: (B, H, R, C) integer tensor, possibly a transposed view.
+    Returns:
+        num (B, H, R) int32, indices (B, H, R, C) int32.
+    """
+    B, H, R, C = block_map.shape
+    device = block_map.device
+    num = torch.empty(B, H, R, dtype=torch.int32, device=device)
+    indices = torch.empty(B, H, R, C, dtype=torch.int32, device=device)
+    cols = torch.arange(C, dtype=torch.int32, device=device)
+    for rows in _row_chunks(R, B * H * C, _TABLE_CHUNK_ELEMENTS):
+        flags = block_map[:, :, rows] == value
+        listed_upto = flags.to(torch.int32).cumsum(-1, dtype=torch.int32)  # inclusive count
+        n = listed_upto[..., -1:]
+        # Listed column j goes to slot (#listed <= j) - 1, unlisted j after all listed ones.
+        slot = torch.where(flags, listed_upto - 1, n + cols - listed_upto)
+        indices[:, :, rows].scatter_(-1, slot.long(), cols.expand_as(slot).contiguous())
+        num[:, :, rows] = n.squeeze(-1)
+    return num, indices
+
+
+def _map_from_ordered(num: Tensor, indices: Tensor, value: int, out: Tensor) -> None:
+    """Write ``value`` into ``out`` (B, H, R, C) at the blocks listed by (num, indices)."""
+    B, H, R, C = out.shape
+    slots = torch.arange(indices.shape[-1], device=indices.device)
+    for rows in _row_chunks(R, B * H * (C + 1), _TABLE_CHUNK_ELEMENTS):
+        listed = slots < num[:, :, rows, None]
+        target = torch.where(listed, indices[:, :, rows], C).long()  # column C is a discard slot
+        dense = torch.zeros(B, H, target.shape[2], C + 1, dtype=torch.bool, device=out.device)
+        dense.scatter_(-1, target, True)
+        out[:, :, rows].masked_fill_(dense[..., :C], value)
+
+
+def _check_table(name: str, num: Tensor | None, indices: Tensor | None, expect: tuple | None,
+                 device: torch.device | None) -> None:
+    """Shape/dtype/device checks of one (num, indices) pair; no data reads (no device sync)."""
+    if num is None and indices is None:
+        return
+    num_name = name.replace("indices", "num_blocks")
+    if (num is None) != (indices is None):
+        raise InputError(f"{num_name} and {name} must be given together or both be None")
+    for n, t, nd in ((num_name, num, 3), (name, indices, 4)):
+        if not isinstance(t, Tensor):
+            raise InputError(f"{n} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise InputError(f"{n} must be int32; got {t.dtype} (convert with .to(torch.int32))")
+        if t.dim() != nd:
+            raise InputError(f"{n} must have {nd} dims; got shape {tuple(t.shape)}")
+        if device is not None and t.device != device:
+            raise InputError(f"{n} is on {t.device} but kv_indices is on {device}")
+    if tuple(num.shape) != tuple(indices.shape[:3]):
+        raise InputError(f"{num_name} shape {tuple(num.shape)} must equal {name}.shape[:3] = "
+                         f"{tuple(indices.shape[:3])}")
+    if expect is not None and tuple(indices.shape) != expect:
+        raise InputError(f"{name} must have shape {expect}; got {tuple(indices.shape)}")
+
+
+def _validate_listing(name: str, num: Tensor, indices: Tensor) -> None:
+    """Data checks: counts in range, listed indices in range and strictly increasing."""
+    B, H, R, C = indices.shape
+    num_name = name.replace("indices", "num_blocks")
+    bad = (num < 0) | (num > C)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise InputError(f"{num_name}{list(where)} = {int(num[where])}: each count must lie in "
+                         f"[0, {C}] (KV_BLOCKS = {name}.shape[-1])")
+    slots = torch.arange(C, device=indices.device)
+    for rows in _row_chunks(R, B * H * C, _TABLE_CHUNK_ELEMENTS):
+        idx = indices[:, :, rows]
+        listed = slots < num[:, :, rows, None]
+        out_of_range = listed & ((idx < 0) | (idx >= C))
+        unordered = listed[..., 1:] & (idx[..., 1:] <= idx[..., :-1])
+        for problem, what in ((out_of_range, f"must lie in [0, {C})"),
+                              (unordered, "must be strictly increasing within each row")):
+            if bool(problem.any()):
+                b, h, r, j = (int(i) for i in problem.nonzero()[0])
+                r += rows.start
+                raise InputError(f"{name}[{b}, {h}, {r}] lists {idx[b, h, r - rows.start].tolist()[:int(num[b, h, r])]}: "
+                                 f"the first {num_name}[{b}, {h}, {r}] entries {what}")
+
+
+# ----------------------------------------------------------------------------------------------
+# BlockMask
+# ----------------------------------------------------------------------------------------------
+
+class BlockCounts(NamedTuple):
+    """Numbers of full, partial and empty blocks, summed over the stored (B, H)."""
+    full: int
+    partial: int
+    empty: int
+
+
+def _sliced_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    raise InputError(
+        "this BlockMask was sliced (bm[...]), so the original mask_mod no longer matches its "
+        "batch/head/query-block numbering. Give it a mask_mod that does, e.g. for decoding:\n"
+        "    mask = block_mask[:, :, row].with_mask_mod(\n"
+        "        lambda b, h, q, kv: block_mask.mask_mod(b, h, q + offset, kv), seq_lengths=(1, KV_LEN))\n"
+        "(equivalently dataclasses.replace(mask, mask_mod=..., seq_lengths=...)).")
+
+
+_TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+@dataclass(frozen=True, repr=False, eq=False)
+class BlockMask:
+    r"""A block-sparse attention mask: which (query block, key block) tiles are computed.
+
+    **Basics**
+
+    Attention is split into tiles of ``BLOCK_SIZE = (Q_BLOCK_SIZE, KV_BLOCK_SIZE)`` positions. A tile
+    is *empty* when the mask keeps none of its positions (it is skipped), *full* when it keeps all of
+    them (computed without calling ``mask_mod``) and *partial* otherwise (computed, then masked with
+    ``mask_mod``). For each query block row the mask stores how many blocks it lists and which:
+
+    ``kv_num_blocks[b, h, i]``: number of partial key blocks of query block ``i``;
+    ``kv_indices[b, h, i, :kv_num_blocks[b, h, i]]``: their indices, increasing. The rest of the row
+    is padding. The dense block mask is rebuilt with:
+
+    .. code-block:: python
+
+        dense = torch.zeros(B, H, Q_BLOCKS, KV_BLOCKS, dtype=torch.int32)
+        for b, h, i in itertools.product(range(B), range(H), range(Q_BLOCKS)):
+            for j in range(kv_num_blocks[b, h, i]):
+                dense[b, h, i, kv_indices[b, h, i, j]] = 1
+        # the same with full_kv_num_blocks / full_kv_indices gives the full blocks;
+        # bm.to_dense() is the union, bm.block_map() tells them apart (0/1/2).
+
+    **Details**
+
+    - ``(kv_num_blocks, kv_indices)``: partial blocks, for the forward pass (reduce along keys).
+    - ``(full_kv_num_blocks, full_kv_indices)``: full blocks; may be None, then every listed block is
+      treated as partial (correct, only slower).
+    - ``(q_num_blocks, q_indices)``, ``(full_q_num_blocks, full_q_indices)``: the transpose, shapes
+      (B, H, KV_BLOCKS) and (B, H, KV_BLOCKS, Q_BLOCKS), for the backward pass (reduce along
+      queries). Computed by :meth:`from_kv_blocks`; None if it was told not to.
+    - All tables are int32. B and H may be 1, meaning "the same for every batch / head".
+    - ``seq_lengths = (Q_LEN, KV_LEN)``; the last block of each dimension may be ragged.
+
+    The dataclass is frozen. To swap the mask_mod or the lengths (decoding with a sliced mask), use
+    :meth:`with_mask_mod` or ``dataclasses.replace(bm, mask_mod=..., seq_lengths=...)``.
+
+    Example:
+        >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, device="cpu",
+        ...                        BLOCK_SIZE=64)
+        >>> bm.block_map()[0, 0]
+        tensor([[2, 0, 0, 0],
+                [1, 2, 0, 0], ...
+    """
+
+    seq_lengths: tuple[int, int]
+    kv_num_blocks: Tensor
+    kv_indices: Tensor
+    full_kv_num_blocks: Tensor | None = None
+    full_kv_indices: Tensor | None = None
+    q_num_blocks: Tensor | None = None
+    q_indices: Tensor | None = None
+    full_q_num_blocks: Tensor | None = None
+    full_q_indices: Tensor | None = None
+    BLOCK_SIZE: tuple[int, int] = (DEFAULT_BLOCK_SIZE, DEFAULT_BLOCK_SIZE)
+    mask_mod: MaskMod = noop_mask
+
+    def __post_init__(self):
+        object.__setattr__(self, "seq_lengths", _seq_lengths_pair(self.seq_lengths))
+        object.__setattr__(self, "BLOCK_SIZE", _block_size_pair(self.BLOCK_SIZE))
+        if self.mask_mod is None:
+            object.__setattr__(self, "mask_mod", noop_mask)
+        elif not callable(self.mask_mod):
+            raise InputError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool tensor or "
+                             f"None; got {type(self.mask_mod).__name__}")
+        _check_table("kv_indices", self.kv_num_blocks, self.kv_indices, None, None)
+        device = self.kv_indices.device
+        B, H, QB, KB = self.kv_indices.shape
+        _check_table("full_kv_indices", self.full_kv_num_blocks, self.full_kv_indices,
+                     (B, H, QB, KB), device)
+        _check_table("q_indices", self.q_num_blocks, self.q_indices, (B, H, KB, QB), device)
+        _check_table("full_q_indices", self.full_q_num_blocks, self.full_q_indices,
+                     (B, H, KB, QB), device)
+        if self.full_q_indices is not None and self.q_indices is None:
+            raise InputError("full_q_* are given without q_*: give both or neither")
+        if (self.q_indices is not None
+                and (self.full_q_indices is None) != (self.full_kv_indices is None)):
+            raise InputError("full_q_* must be given exactly when full_kv_* are")
+
+    # -- construction ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_kv_blocks(cls, kv_num_blocks: Tensor, kv_indices: Tensor,
+                       full_kv_num_blocks: Tensor | None = None,
+                       full_kv_indices: Tensor | None = None,
+                       BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE,
+                       mask_mod: MaskMod | None = None,
+                       seq_lengths: tuple[int, int] | None = None,
+                       compute_q_blocks: bool = True) -> BlockMask:
+        """Build a BlockMask from key-block tables; computes the transposed q_* tables.
+
+        Args:
+            kv_num_blocks: (B, H, Q_BLOCKS) int32, partial blocks per query block row.
+            kv_indices: (B, H, Q_BLOCKS, KV_BLOCKS) int32, their key-block indices first, increasing.
+                Leading B/H dims may be omitted (then they are 1).
+            full_kv_num_blocks, full_kv_indices: the same for full blocks, or None.
+            BLOCK_SIZE: int or (Q_BLOCK_SIZE, KV_BLOCK_SIZE).
+            mask_mod: applied in partial blocks; None keeps every position.
+            seq_lengths: (Q_LEN, KV_LEN); default Q_BLOCKS * Q_BLOCK_SIZE, KV_BLOCKS * KV_BLOCK_SIZE.
+            compute_q_blocks: compute q_* (needed by the backward pass).
+
+        Example:
+            >>> num = torch.tensor([[[1, 2]]], dtype=torch.int32)           # (1, 1, 2)
+            >>> idx = torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32)  # (1, 1, 2, 2)
+            >>> BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=64).to_dense()[0, 0]
+            tensor([[1, 0],
+                    [1, 1]], dtype=torch.int32)
+        """
+        def lift(name, t, nd):
+            if t is None:
+                return None
+            if not isinstance(t, Tensor):
+                raise InputError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+            if not nd - 2 <= t.dim() <= nd:
+                raise InputError(f"{name} must have shape {'(B, H, Q_BLOCKS)' if nd == 3 else '(B, H, Q_BLOCKS, KV_BLOCKS)'}"
+                                 f" (leading B/H optional); got {tuple(t.shape)}")
+            return t.reshape((1,) * (nd - t.dim()) + tuple(t.shape))
+
+        if kv_num_blocks is None or kv_indices is None:
+            raise InputError("kv_num_blocks and kv_indices are required")
+        kv_num_blocks, full_kv_num_blocks = (lift("kv_num_blocks", kv_num_blocks, 3),
+                                             lift("full_kv_num_blocks", full_kv_num_blocks, 3))
+        kv_indices, full_kv_indices = (lift("kv_indices", kv_indices, 4),
+                                       lift("full_kv_indices", full_kv_indices, 4))
+        _check_table("kv_indices", kv_num_blocks, kv_indices, None, None)
+        _check_table("full_kv_indices", full_kv_num_blocks, full_kv_indices,
+                     tuple(kv_indices.shape), kv_indices.device)
+        _validate_listing("kv_indices", kv_num_blocks, kv_indices)
+        if full_kv_indices is not None:
+            _validate_listing("full_kv_indices", full_kv_num_blocks, full_kv_indices)
+        return cls._from_kv_blocks_unchecked(kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                             full_kv_indices, BLOCK_SIZE, mask_mod, seq_lengths,
+                                             compute_q_blocks, check_overlap=True)
+
+    @classmethod
+    def _from_kv_blocks_unchecked(cls, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                                  full_kv_indices, BLOCK_SIZE, mask_mod, seq_lengths,
+                                  compute_q_blocks, check_overlap=False) -> BlockMask:
+        block_size = _block_size_pair(BLOCK_SIZE)
+        if seq_lengths is None:
+            seq_lengths = (kv_indices.shape[-2] * block_size[0], kv_indices.shape[-1] * block_size[1])
+        q_tables: dict[str, Tensor | None] = {}
+        if compute_q_blocks or check_overlap:
+            block_map = _block_map_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                      check_overlap=check_overlap)
+            if compute_q_blocks:
+                q_tables = _transposed_tables(block_map, full_kv_indices is not None)
+        return cls(seq_lengths=seq_lengths, kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
+                   full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
+                   BLOCK_SIZE=block_size, mask_mod=mask_mod, **q_tables)
+
+    @classmethod
+    def from_block_map(cls, block_map: Tensor, BLOCK_SIZE: int | tuple[int, int],
+                       seq_lengths: tuple[int, int], mask_mod: MaskMod | None = None,
+                       compute_q_blocks: bool = True) -> BlockMask:
+        """Build a BlockMask from a per-block classification.
+
+        Args:
+            block_map: (B, H, Q_BLOCKS, KV_BLOCKS) integer tensor: 0 empty, 1 partial, 2 full.
+            BLOCK_SIZE: int or (Q_BLOCK_SIZE, KV_BLOCK_SIZE).
+            seq_lengths: (Q_LEN, KV_LEN).
+            mask_mod: applied in partial blocks; None keeps every position.
+            compute_q_blocks: compute the transposed q_* tables.
+        """
+        if not isinstance(block_map, Tensor) or block_map.dim() != 4 \
+                or block_map.is_floating_point() or block_map.is_complex():
+            got = (f"{block_map.dtype} of shape {tuple(block_map.shape)}"
+                   if isinstance(block_map, Tensor) else type(block_map).__name__)
+            raise InputError(f"block_map must be an integer tensor (B, H, Q_BLOCKS, KV_BLOCKS) with "
+                             f"0 = empty, 1 = partial, 2 = full; got {got}")
+        if block_map.numel() and bool(((block_map < 0) | (block_map > 2)).any()):
+            raise InputError("block_map values must be 0 (empty), 1 (partial) or 2 (full)")
+        return cls._from_block_map(block_map, BLOCK_SIZE, seq_lengths, mask_mod, compute_q_blocks)
+
+    @classmethod
+    def _from_block_map(cls, block_map, BLOCK_SIZE, seq_lengths, mask_mod, compute_q_blocks=True):
+        kv_num_blocks, kv_indices = _ordered_from_map(block_map, PARTIAL)
+        full_kv_num_blocks, full_kv_indices = _ordered_from_map(block_map, FULL)
+        q_tables = _transposed_tables(block_map, True) if compute_q_blocks else {}
+        return cls(seq_lengths=seq_lengths, kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
+                   full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
+                   BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod, **q_tables)
+
+    def with_mask_mod(self, mask_mod: MaskMod | None,
+                      seq_lengths: tuple[int, int] | None = None) -> BlockMask:
+        """A copy with another mask_mod (and optionally seq_lengths); the tables are shared.
+
+        Example (decoding one query block row of a causal mask):
+            >>> row = block_mask[:, :, pos // 128].with_mask_mod(
+            ...     lambda b, h, q, kv: block_mask.mask_mod(b, h, q + pos, kv), seq_lengths=(1, kv_len))
+        """
+        changes = {"mask_mod": mask_mod}
+        if seq_lengths is not None:
+            changes["seq_lengths"] = seq_lengths
+        return dataclasses.replace(self, **changes)
+
+    # -- views --------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, H, Q_LEN, KV_LEN); B or H is 1 when the mask broadcasts over it."""
+        B, H = self.kv_indices.shape[:2]
+        return (B, H, *self.seq_lengths)
+
+    def block_map(self) -> Tensor:
+        """(B, H, Q_BLOCKS, KV_BLOCKS) int8: 0 = empty, 1 = partial, 2 = full."""
+        return _block_map_of(self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks,
+                             self.full_kv_indices)
+
+    def to_dense(self) -> Tensor:
+        """(B, H, Q_BLOCKS, KV_BLOCKS) int32: 1 where a block is computed (partial or full)."""
+        return (self.block_map() != EMPTY).to(torch.int32)
+
+    def counts(self) -> BlockCounts:
+        """Numbers of full, partial and empty blocks over all stored (B, H)."""
+        total = self.kv_indices.numel()
+        partial = int(self.kv_num_blocks.sum())
+        full = int(self.full_kv_num_blocks.sum()) if self.full_kv_num_blocks is not None else 0
+        return BlockCounts(full=full, partial=partial, empty=total - full - partial)
+
+    def sparsity(self) -> float:
+        """Percentage of blocks skipped (not computed).
+
+        Equals torch's ``BlockMask.sparsity()`` when Q_LEN and KV_LEN are multiples of the block
+        sizes; with a ragged edge torch counts positions, this counts blocks.
+        """
+        counts = self.counts()
+        total = counts.full + counts.partial + counts.empty
+        return 100.0 * counts.empty / total if total else 0.0
+
+    def to(self, device: torch.device | str) -> BlockMask:
+        """A copy with every table on ``device``."""
+        moved = {name: getattr(self, name).to(device) for name in _TABLES
+                 if getattr(self, name) is not None}
+        return dataclasses.replace(self, **moved)
+
+    def __getitem__(self, index) -> BlockMask:
+        """Select batches, heads and query-block rows; every dim is kept (ints select size 1).
+
+        ``bm[b]``, ``bm[:, h]``, ``bm[:, :, rows]`` with ints, slices or 1-d index tensors (each
+        applied to its own dim). seq_lengths and BLOCK_SIZE are kept and q_* are recomputed. The
+        mask_mod no longer matches the new numbering, so the result's mask_mod raises until one is
+        set with :meth:`with_mask_mod`.
+
+        Example:
+            >>> bm = create_block_mask(causal, 4, 2, 512, 512, BLOCK_SIZE=128)
+            >>> bm[0].kv_indices.shape, bm[:, :, 2:4].kv_indices.shape
+            (torch.Size([1, 2, 4, 4]), torch.Size([4, 2, 2, 4]))
+        """
+        index = index if isinstance(index, tuple) else (index,)
+        if len(index) > 3:
+            raise IndexError(f"BlockMask takes at most 3 indices (batch, head, query block); "
+                             f"got {len(index)}")
+        tables = {name: getattr(self, name) for name in _TABLES[:4]}
+        names = ("batch", "head", "query-block")
+        for dim, (item, dim_name) in enumerate(zip(index, names)):
+            sel = _normalise_index(item, self.kv_indices.shape[dim], dim_name)
+            key = (slice(None),) * dim + (sel,)
+            tables = {n: (t[key] if t is not None else None) for n, t in tables.items()}
+        return type(self)._from_kv_blocks_unchecked(
+            tables["kv_num_blocks"], tables["kv_indices"], tables["full_kv_num_blocks"],
+            tables["full_kv_indices"], self.BLOCK_SIZE, _sliced_mask_mod, self.seq_lengths,
+            compute_q_blocks=self.q_indices is not None)
+
+    # -- text --------------------------------------------------------------------------------
+
+    def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
+        """A text picture of the block map of the first ``limit`` (b, h) pairs.
+
+        Each cell (two characters wide) summarises a rectangle of blocks: ``█`` all full, ``▓`` all
+        computed with some partial, ``░`` partly computed, blank all empty. ``grid_size=-1`` draws
+        one cell per block.
+        """
+        block_map = self.block_map().cpu()
+        B, H, QB, KB = block_map.shape
+        if grid_size == -1:
+            max_rows, max_cols = QB, KB
+        elif isinstance(grid_size, int):
+            max_rows = max_cols = grid_size
+        else:
+            max_rows, max_cols = grid_size
+        if max_rows <= 0 or max_cols <= 0:
+            raise InputError(f"grid_size must be positive, -1, or a pair of positive ints; got {grid_size!r}")
+        rs, cs = _cdiv(QB, max_rows), _cdiv(KB, max_cols)
+        nr, nc = _cdiv(QB, rs), _cdiv(KB, cs)
+        pad = (0, nc * cs - KB, 0, nr * rs - QB)
+        lo = torch.nn.functional.pad(block_map, pad, value=FULL + 1)
+        hi = torch.nn.functional.pad(block_map, pad, value=-1)
+        lo = lo.view(B, H, nr, rs, nc, cs).amin(dim=(3, 5))
+        hi = hi.view(B, H, nr, rs, nc, cs).amax(dim=(3, 5))
+        cell = f"{rs}x{cs} blocks" if rs * cs > 1 else "1 block"
+        lines = [f"█ full  ▓ partial  ░ partly empty  (one cell = {cell} of {self.BLOCK_SIZE[0]}x"
+                 f"{self.BLOCK_SIZE[1]})"]
+        for count, (b, h) in enumerate(itertools.product(range(B), range(H))):
+            if count == limit:
+                lines += ["...", f"({B * H - limit} more; use to_string(limit=N) or index bm[b, h])"]
+                break
+            lines.append(f"b={b}, h={h}")
+            for r in range(nr):
+                row = []
+                for c in range(nc):
+                    low, high = int(lo[b, h, r, c]), int(hi[b, h, r, c])
+                    row.append("█" if low == FULL else " " if high == EMPTY else
+                               "▓" if low >= PARTIAL else "░")
+                lines.append("".join(ch * 2 for ch in row))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return (f"BlockMask(shape={self.shape}, sparsity={self.sparsity():.2f}%,\n"
+                f"{self.to_string()}\n)")
+
+    def __repr__(self) -> str:
+        def shape_of(t):
+            return tuple(t.shape) if t is not None else None
+        fields = "".join(f"    {name}={shape_of(getattr(self, name))},\n" for name in _TABLES)
+        mod = getattr(self.mask_mod, "__name__", repr(self.mask_mod))
+        return (f"BlockMask(\n{fields}    BLOCK_SIZE={self.BLOCK_SIZE},\n    shape={self.shape},\n"
+                f"    sparsity={self.sparsity():.2f}%,\n    mask_mod={mod}\n)")
+
+
+def _normalise_index(item, size: int, dim_name: str):
+    if isinstance(item, Tensor):
+        if item.dim() == 0:
+            item = item.reshape(1)
+        if item.dim() != 1 or item.is_floating_point():
+            raise IndexError(f"BlockMask {dim_name} index tensor must be 1-d integer or bool; got "
+                             f"{item.dtype} of shape {tuple(item.shape)}")
+        return item
+    if isinstance(item, slice):
+        return item
+    if isinstance(item, bool) or not hasattr(item, "__index__"):
+        raise IndexError(f"BlockMask {dim_name} index must be an int, a slice or a 1-d tensor; "
+                         f"got {item!r}")
+    i = operator.index(item)
+    if not -size <= i < size:
+        raise IndexError(f"BlockMask {dim_name} index {i} is out of range for size {size}"
+                         + (" (a size-1 dim broadcasts: index it with 0)" if size == 1 else ""))
+    i %= size
+    return slice(i, i + 1)
+
+
+def _block_map_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                  check_overlap: bool = False) -> Tensor:
+    block_map = torch.zeros(kv_indices.shape, dtype=torch.int8, device=kv_indices.device)
+    _map_from_ordered(kv_num_blocks, kv_indices, PARTIAL, block_map)
+    if full_kv_indices is not None:
+        if check_overlap:
+            full = torch.zeros_like(block_map)
+            _map_from_ordered(full_kv_num_blocks, full_kv_indices, FULL, full)
+            both = (full == FULL) & (block_map == PARTIAL)
+            if bool(both.any()):
+                b, h, i, j = (int(x) for x in both.nonzero()[0])
+                raise InputError(f"block [{b}, {h}, {i}, {j}] is listed both as partial (kv_indices) "
+                                 f"and as full (full_kv_indices); each block may be listed once")
+            block_map = torch.maximum(block_map, full)
+        else:
+            _map_from_ordered(full_kv_num_blocks, full_kv_indices, FULL, block_map)
+    return block_map
+
+
+def _transposed_tables(block_map: Tensor, with_full: bool) -> dict[str, Tensor | None]:
+    transposed = block_map.transpose(-2, -1)
+    q_num_blocks, q_indices = _ordered_from_map(transposed, PARTIAL)
+    full_q = _ordered_from_map(transposed, FULL) if with_full else (None, None)
+    return {"q_num_blocks": q_num_blocks, "q_indices": q_indices,
+            "full_q_num_blocks": full_q[0], "full_q_indices": full_q[1]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Public constructors
+# ----------------------------------------------------------------------------------------------
+
+def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                      device: torch.device | str | None = None,
+                      BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BlockMask:
+    """Build the BlockMask of ``mask_mod``, classifying each block as empty, partial or full.
+
+    Memory stays bounded (tiles of at most ``_CHUNK_ELEMENTS`` positions), so long sequences work:
+    the largest tensors are the block tables, (B, H, Q_LEN/BQ, KV_LEN/BK) int32.
+
+    Args:
+        mask_mod: ``(b, h, q_idx, kv_idx) -> bool tensor``, True keeps a position. It is called with
+            broadcast int32 index tensors b (B,1,1,1), h (1,H,1,1), q_idx (1,1,Lq,1),
+            kv_idx (1,1,1,Lk) and may return anything that broadcasts to (B, H, Lq, Lk).
+        B, H: batch size and number of query heads; None makes the mask broadcast over that dim
+            (stored size 1, mask_mod called with index 0).
+        Q_LEN, KV_LEN: sequence lengths; need not be multiples of the block size.
+        device: where the mask is built; default CUDA if available, else CPU.
+        BLOCK_SIZE: int or (Q_BLOCK_SIZE, KV_BLOCK_SIZE).
+
+    Example:
+        >>> def causal(b, h, q_idx, kv_idx):
+        ...     return q_idx >= kv_idx
+        >>> bm = create_block_mask(causal, None, None, 4096, 4096, device="cuda")
+        >>> out = flex_attention(q, k, v, block_mask=bm)
+    """
+    _mod_kind(mask_mod, "create_block_mask")
+    B = _positive_int(B, "B", allow_none=True) or 1
+    H = _positive_int(H, "H", allow_none=True) or 1
+    Q_LEN, KV_LEN = _positive_int(Q_LEN, "Q_LEN"), _positive_int(KV_LEN, "KV_LEN")
+    block_size = _block_size_pair(BLOCK_SIZE)
+    device = torch.device(device) if device is not None else default_device()
+    block_map = _classify_blocks_chunked(mask_mod, B, H, Q_LEN, KV_LEN, block_size, device)
+    return BlockMask._from_block_map(block_map, block_size, (Q_LEN, KV_LEN), mask_mod)
+
+
+def create_mask(mod_fn: MaskMod | ScoreMod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                device: torch.device | str | None = None) -> Tensor:
+    """The dense boolean mask of a mask_mod, or of a score_mod (False where it returns -inf).
+
+    Args:
+        mod_fn: a mask_mod (4 arguments) or a score_mod (5 arguments, called with zero scores).
+        B, H: batch size and heads; None gives a size-1 dim.
+        Q_LEN, KV_LEN: sequence lengths.
+        device: default CUDA if available, else CPU.
+
+    Returns:
+        (B, H, Q_LEN, KV_LEN) bool tensor, True where the position is kept.
+
+    Example:
+        >>> create_mask(lambda b, h, q, kv: q >= kv, None, None, 3, 3, device="cpu")[0, 0]
+        tensor([[ True, False, False],
+                [ True,  True, False],
+                [ True,  True,  True]])
+    """
+    kind = _mod_kind(mod_fn, "create_mask", allowed=("mask", "score"), arg="mod_fn")
+    B = _positive_int(B, "B", allow_none=True) or 1
+    H = _positive_int(H, "H", allow_none=True) or 1
+    Q_LEN, KV_LEN = _positive_int(Q_LEN, "Q_LEN"), _positive_int(KV_LEN, "KV_LEN")
+    device = torch.device(device) if device is not None else default_device()
+    out = torch.empty(B, H, Q_LEN, KV_LEN, dtype=torch.bool, device=device)
+    with torch.no_grad():
+        for rows in _row_chunks(Q_LEN, B * H * KV_LEN, _CHUNK_ELEMENTS):
+            out[:, :, rows] = _evaluate_mask(mod_fn, kind, (0, B), (0, H), (rows.start, rows.stop),
+                                             (0, KV_LEN), device)
+    return out

@@ -1,0 +1,1 @@
+"""Triton kernels: templates filled with lowered mods (see flexcore/README.md)."""

@@ -1,0 +1,181 @@
+"""Host side of the backward kernels: tile choice, gradient buffers and the three launches."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flexcore._runtime import use_interpreter
+from flexcore.kernels.codegen import HEADER, fill_template, load_module, read_template
+from flexcore.kernels.forward import BlockTensors, _check_tile, fit_tile, pad_head_dim
+from flexcore.options import KernelOptions
+
+_LOG2E = 1.4426950408889634
+#: Captured-tensor gradients in deterministic mode are int64 multiples of 2**-FIXED_POINT_BITS.
+FIXED_POINT_BITS = 32
+
+
+def _cap_list(names) -> str:
+    return "".join(", " + n for n in names)
+
+
+def build_backward_source(score_lowered, score_bwd_lowered, mask_lowered) -> str:
+    """The backward template filled with the forward mods and the score_mod's lowered VJP."""
+    functions = "\n\n\n".join(m.source.rstrip() for m in (score_lowered, score_bwd_lowered, mask_lowered))
+    values = {
+        "MOD_FUNCTIONS": functions + "\n",
+        "SCORE_CAPS": _cap_list(score_lowered.cap_params),
+        "MASK_CAPS": _cap_list(mask_lowered.cap_params),
+        "CAPS": _cap_list(tuple(score_lowered.cap_params) + tuple(mask_lowered.cap_params)),
+        "GRAD_CAPS": _cap_list(score_bwd_lowered.grad_params),
+    }
+    return HEADER + fill_template(read_template("backward.py.tmpl"), values)
+
+
+def q_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
+    """The BlockMask's transposed tables (q_*, full_q_*), expanded to (B, Hq, KV_BLOCKS[, Q_BLOCKS]).
+
+    A BlockMask built with ``compute_q_blocks=False`` gets its transpose computed here.
+    """
+    if block_mask.q_indices is None:
+        from flexcore.blockmask import BlockMask
+
+        block_mask = BlockMask.from_kv_blocks(
+            block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+            block_mask.full_kv_indices, BLOCK_SIZE=block_mask.BLOCK_SIZE,
+            mask_mod=block_mask.mask_mod, seq_lengths=block_mask.seq_lengths)
+
+    def expand(t):
+        return None if t is None else t.expand(B, Hq, *t.shape[2:])
+
+    bq, bkv = block_mask.BLOCK_SIZE
+    return BlockTensors(expand(block_mask.q_num_blocks), expand(block_mask.q_indices),
+                        expand(block_mask.full_q_num_blocks), expand(block_mask.full_q_indices),
+                        (bkv, bq))
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, 2-byte dtypes. dK/dV programs own
+# BLOCK_N keys and step over BLOCK_M queries; dQ programs own BLOCK_M queries and step over BLOCK_N
+# keys: the owned side is the larger one, as it is reused across the whole loop.
+_DKDV_CONFIGS = {64: (64, 128, 8, 3), 128: (64, 128, 8, 2), 256: (32, 64, 4, 1)}
+_DQ_CONFIGS = {64: (128, 64, 8, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 1)}
+
+
+def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int, sparse_kv: int):
+    """((BLOCK_M, BLOCK_N, meta) for dK/dV, (BLOCK_M, BLOCK_N, meta) for dQ)."""
+    if use_interpreter():
+        # The interpreter costs the same per loop step whatever the tile: use large tiles.
+        bm = fit_tile(64, sparse_q, "query")
+        bn = fit_tile(64, sparse_kv, "key")
+        configs = [(bm, bn, {}), (bm, bn, {})]
+    else:
+        key = min((k for k in _DKDV_CONFIGS if k >= head_dim_pad), default=256)
+        configs = []
+        for table in (_DKDV_CONFIGS, _DQ_CONFIGS):
+            m, n, w, s = table[key]
+            if itemsize == 4:  # float32 tiles take twice the registers and shared memory
+                m, n, s = max(16, m // 2), max(16, n // 2), max(1, s - 1)
+            meta = dict(num_warps=opts.num_warps or w, num_stages=opts.num_stages or s)
+            configs.append((fit_tile(m, sparse_q, "query"), fit_tile(n, sparse_kv, "key"), meta))
+    if opts.BLOCK_M or opts.BLOCK_N:
+        bm = _check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else None
+        bn = _check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else None
+        configs = [(bm or m, bn or n, meta) for m, n, meta in configs]
+    return configs[0], configs[1]
+
+
+def backward(q, k, v, out, lse, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
+             kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions):
+    """Gradients of flex_attention's output with respect to q, k, v and the score_mod's captures.
+
+    Args:
+        q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv): the forward's inputs.
+        out (B, Hq, L, Dv), lse (B, Hq, L) float32 natural log: the forward's outputs.
+        grad_out (B, Hq, L, Dv): gradient of the loss with respect to ``out``.
+        score_lowered, mask_lowered: the forward's lowered mods.
+        score_bwd_lowered: ``flexcore.lowering.vjp.lower_score_mod_backward(score_mod, score_lowered)``.
+        kv_blocks: the forward's BlockTensors; q_blocks: :func:`q_block_tensors` of the same mask.
+        scale: the forward's scale. opts: KernelOptions (``deterministic`` makes the captured
+            gradients bit-identical across runs; dq, dk, dv are always deterministic).
+
+    Returns:
+        (dq, dk, dv, captured_grads): dq, dk, dv in the dtypes and shapes of q, k, v;
+        ``captured_grads[i]`` is the gradient of ``score_lowered.captured[i]`` (same shape and
+        dtype), or None where that tensor does not require grad.
+    """
+    B, Hq, L, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    module = load_module(build_backward_source(score_lowered, score_bwd_lowered, mask_lowered),
+                         "backward")
+    lse = lse.contiguous()
+    head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
+    sparse_q, sparse_kv = kv_blocks.sparse_block
+    if q_blocks.sparse_block != (sparse_kv, sparse_q):
+        raise ValueError(f"q_blocks.sparse_block {q_blocks.sparse_block} is not the transpose of "
+                         f"kv_blocks.sparse_block {kv_blocks.sparse_block}")
+    itemsize = q.element_size()
+    (bm1, bn1, meta1), (bm2, bn2, meta2) = _tiles(
+        opts, max(head_dim_pad, head_dim_v_pad), itemsize, sparse_q, sparse_kv)
+    upcast = use_interpreter() and q.dtype != torch.float32
+    precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
+    common = dict(HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
+                  SPARSE_Q_BLOCK=sparse_q, SPARSE_KV_BLOCK=sparse_kv,
+                  HAS_FULL_BLOCKS=kv_blocks.full_num_blocks is not None,
+                  EVEN_Q=L % sparse_q == 0, EVEN_KV=S % sparse_kv == 0,  # tiles divide mask blocks
+                  SCORE_IS_TRIVIAL=score_lowered.is_trivial, FIXED_POINT_GRADS=opts.deterministic,
+                  UPCAST_DOT=upcast, INPUT_PRECISION=precision)
+
+    delta = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device)
+    pre_m = 64
+    module.flex_bwd_preprocess[(math.ceil(L / pre_m), B * Hq)](
+        out, grad_out, delta, *out.stride(), *grad_out.stride(), L, Hq,
+        HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_M=pre_m)
+
+    captured = list(score_lowered.captured)
+    grad_buffers = {}
+    for i in score_bwd_lowered.grad_of:
+        dtype = torch.int64 if opts.deterministic else torch.float32
+        grad_buffers[i] = torch.zeros(captured[i].shape, dtype=dtype, device=q.device)
+    grad_args = []
+    for i in score_bwd_lowered.grad_of:
+        grad_args.append(grad_buffers[i])
+        grad_args.extend(grad_buffers[i].stride())
+    caps = [*score_lowered.kernel_args(), *mask_lowered.kernel_args()]
+
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+
+    qn = q_blocks.full_num_blocks if q_blocks.full_num_blocks is not None else q_blocks.num_blocks
+    qi = q_blocks.full_indices if q_blocks.full_indices is not None else q_blocks.indices
+    module.flex_bwd_dkdv_kernel[(math.ceil(S / bn1), B * Hkv)](
+        q, k, v, grad_out, dk, dv, lse, delta,
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
+        q_blocks.num_blocks, q_blocks.indices, qn, qi,
+        *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3],
+        *qn.stride(), *qi.stride()[:3],
+        L, S, Hq, Hkv, scale, scale * _LOG2E, *caps, *grad_args,
+        GQA_GROUP=Hq // Hkv, BLOCK_M=bm1, BLOCK_N=bn1,
+        WRITE_CAPTURED_GRADS=bool(grad_buffers), **common, **meta1)
+
+    kn = kv_blocks.full_num_blocks if kv_blocks.full_num_blocks is not None else kv_blocks.num_blocks
+    ki = kv_blocks.full_indices if kv_blocks.full_indices is not None else kv_blocks.indices
+    module.flex_bwd_dq_kernel[(math.ceil(L / bm2), B * Hq)](
+        q, k, v, grad_out, dq, lse, delta,
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
+        kv_blocks.num_blocks, kv_blocks.indices, kn, ki,
+        *kv_blocks.num_blocks.stride(), *kv_blocks.indices.stride()[:3],
+        *kn.stride(), *ki.stride()[:3],
+        L, S, Hq, scale, scale * _LOG2E, *caps, *grad_args,
+        GQA_GROUP=Hq // Hkv, BLOCK_M=bm2, BLOCK_N=bn2, **common, **meta2)
+
+    captured_grads = []
+    for i, t in enumerate(captured):
+        buf = grad_buffers.get(i)
+        if buf is None:
+            captured_grads.append(None)
+        elif opts.deterministic:
+            captured_grads.append((buf.double() * 2.0 ** -FIXED_POINT_BITS).to(t.dtype))
+        else:
+            captured_grads.append(buf.to(t.dtype))
+    return dq, dk, dv, captured_grads

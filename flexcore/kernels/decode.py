@@ -1,0 +1,192 @@
+"""Host side of the split-KV decoding kernel: tile packing, split count and the launches."""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flexcore._runtime import use_interpreter
+from flexcore.errors import InputError
+from flexcore.kernels.codegen import load_kernel_module
+from flexcore.kernels.forward import BlockTensors, fit_tile, pad_head_dim
+from flexcore.options import KernelOptions
+
+_LOG2E = 1.4426950408889634
+#: Most rows (query heads x query positions) one program packs into its tile.
+MAX_TILE_ROWS = 64
+#: Programs per SM the split count aims at: several in flight per SM hide memory latency.
+_PROGRAMS_PER_SM = 4
+#: Without a GPU (interpreter) the split count only needs to exercise the reduction.
+_INTERPRETER_SPLITS = 3
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How one decode call is tiled (also what the tests and the bench report)."""
+
+    heads_per_tile: int  # query heads of one GQA group packed into one tile
+    q_per_tile: int      # query positions per tile
+    q_chunks: int        # tiles along the query positions
+    block_m: int         # tile rows: heads_per_tile * q_per_tile padded to a power of two >= 16
+    num_splits: int      # programs along the key blocks of one tile
+
+
+@functools.lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    p = 1
+    while p * 2 <= cap and n % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def _heads_share_blocks(blocks: BlockTensors) -> bool:
+    # The tables come expanded to (B, Hq, ...); stride 0 along heads means one mask for all heads.
+    tables = [blocks.num_blocks, blocks.indices, blocks.full_num_blocks, blocks.full_indices]
+    return all(t is None or t.shape[1] == 1 or t.stride(1) == 0 for t in tables)
+
+
+def plan_decode(B: int, Hq: int, Hkv: int, L: int, S: int, blocks: BlockTensors, device: torch.device,
+                num_splits: int | None = None) -> DecodePlan:
+    """Choose the tile packing and the number of key splits for one decode call."""
+    group = Hq // Hkv
+    sparse_q, sparse_kv = blocks.sparse_block
+    if L <= min(sparse_q, MAX_TILE_ROWS):
+        q_per_tile = L
+    else:
+        # Every tile must stay inside one mask block row: chunk by a power of two dividing it.
+        q_per_tile = _largest_pow2_divisor(sparse_q, MAX_TILE_ROWS)
+    heads = 1
+    if _heads_share_blocks(blocks):
+        heads = max(d for d in range(1, group + 1) if group % d == 0 and d * q_per_tile <= max(
+            MAX_TILE_ROWS, q_per_tile))
+    q_chunks = math.ceil(L / q_per_tile)
+    block_m = max(16, 1 << (heads * q_per_tile - 1).bit_length())
+    kv_blocks = math.ceil(S / sparse_kv)
+    if num_splits is None:
+        if use_interpreter() or device.type != "cuda":
+            num_splits = _INTERPRETER_SPLITS
+        else:
+            tiles = B * Hkv * (group // heads) * q_chunks
+            num_splits = math.ceil(_PROGRAMS_PER_SM * _sm_count(device.index or 0) / tiles)
+    elif not isinstance(num_splits, int) or num_splits < 1:
+        raise InputError(f"num_splits = {num_splits!r}: expected a positive int")
+    num_splits = max(1, min(num_splits, kv_blocks))
+    return DecodePlan(heads, q_per_tile, q_chunks, block_m, num_splits)
+
+
+# (BLOCK_N, num_warps, num_stages) candidates on the GPU; the first is the default without autotune.
+_GPU_CONFIGS = [(64, 4, 3), (64, 2, 3), (128, 4, 3), (128, 8, 2), (32, 2, 4), (64, 4, 1)]
+_autotuners: dict = {}
+
+
+def _launcher(module, sparse_kv: int, head_dim_pad: int, itemsize: int, opts: KernelOptions):
+    """Return (kernel, fixed_meta); fixed_meta holds BLOCK_N and launch knobs when not autotuning."""
+    kernel = module.flex_decode_kernel
+    if opts.BLOCK_N:
+        if sparse_kv % opts.BLOCK_N:
+            raise InputError(f"kernel_options['BLOCK_N'] = {opts.BLOCK_N} does not divide the "
+                             f"BlockMask's key BLOCK_SIZE {sparse_kv}; use a power of two that divides it")
+    if use_interpreter():
+        return kernel, dict(BLOCK_N=opts.BLOCK_N or fit_tile(64, sparse_kv, "key"))
+    configs = []
+    for n, w, s in _GPU_CONFIGS:
+        if head_dim_pad > 128 or itemsize == 4:  # bigger tiles: fewer stages fit in shared memory
+            n, s = min(n, 64), min(s, 2)
+        n = opts.BLOCK_N or fit_tile(n, sparse_kv, "key")
+        configs.append((n, opts.num_warps or w, opts.num_stages or s))
+    configs = list(dict.fromkeys(configs))
+    if opts.BLOCK_N or not opts.autotune or len(configs) == 1:
+        n, w, s = configs[0]
+        return kernel, dict(BLOCK_N=n, num_warps=w, num_stages=s)
+    import triton
+
+    key = (module.__name__, sparse_kv, head_dim_pad, itemsize, opts.num_warps, opts.num_stages)
+    tuner = _autotuners.get(key)
+    if tuner is None:
+        # KV_LEN and NUM_SPLITS key the choice: the best tile depends on how long each split runs.
+        tuner = triton.autotune(
+            configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in configs],
+            key=["KV_LEN", "NUM_SPLITS", "Q_LEN"])(kernel)
+        _autotuners[key] = tuner
+    return tuner, {}
+
+
+def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,
+           opts: KernelOptions, *, num_splits: int | None = None):
+    """Split-KV decoding attention with lowered mods.
+
+    Same contract as :func:`flexcore.kernels.forward.forward`, meant for short queries (1 to 16
+    positions) against a long cache.
+
+    Args:
+        q: (B, Hq, L, D). k: (B or 1, Hkv, S, D), v: (B or 1, Hkv, S, Dv); a batch of 1 is shared by
+            every query batch (a paged cache).
+        score_lowered, mask_lowered: :class:`flexcore.lowering.LoweredMod` of the score and mask mods.
+        blocks: the BlockMask tables expanded to (B, Hq, ...).
+        scale: multiplies q·k.
+        opts: kernel options; BLOCK_N, num_warps, num_stages and autotune apply, BLOCK_M does not
+            (the tile rows are the query heads of a GQA group times the query positions).
+        num_splits: force the number of key splits (default: enough programs to fill the GPU).
+
+    Returns:
+        out (B, Hq, L, Dv) in q's dtype; lse (B, Hq, L) float32, natural log. Rows with every key
+        masked give out 0 and lse -inf.
+    """
+    B, Hq, L, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    if k.shape[0] not in (1, B) or v.shape[0] != k.shape[0]:
+        raise InputError(f"key batch {k.shape[0]} / value batch {v.shape[0]} must equal the query "
+                         f"batch {B}, or be 1 (a cache shared by the batch)")
+    if Hq % Hkv:
+        raise InputError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+    k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)  # batch 1 -> stride 0
+    sparse_q, sparse_kv = blocks.sparse_block
+    plan = plan_decode(B, Hq, Hkv, L, S, blocks, q.device, num_splits)
+    module = load_kernel_module("decode.py.tmpl", score_lowered, mask_lowered)
+    head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
+    kernel, meta = _launcher(module, sparse_kv, max(head_dim_pad, head_dim_v_pad), q.element_size(), opts)
+
+    out = torch.empty((B, Hq, L, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device)
+    split = plan.num_splits > 1
+    if split:
+        part_out = torch.empty((B, Hq, L, plan.num_splits, Dv), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((B, Hq, L, plan.num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out, part_lse = out, lse  # unused: the kernel writes the result itself
+    full_n = blocks.full_num_blocks if blocks.full_num_blocks is not None else blocks.num_blocks
+    full_i = blocks.full_indices if blocks.full_indices is not None else blocks.indices
+    upcast = use_interpreter() and q.dtype != torch.float32
+    precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
+    tiles = B * Hkv * (Hq // Hkv // plan.heads_per_tile) * plan.q_chunks
+
+    kernel[(plan.num_splits, tiles)](
+        q, k, v, out, lse, part_out, part_lse,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        blocks.num_blocks, blocks.indices, full_n, full_i,
+        *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
+        *full_n.stride(), *full_i.stride()[:3],
+        L, S, Hq, Hkv, plan.q_chunks, plan.num_splits, scale, scale * _LOG2E,
+        *score_lowered.kernel_args(), *mask_lowered.kernel_args(),
+        GQA_GROUP=Hq // Hkv, HEADS_PER_TILE=plan.heads_per_tile, Q_PER_TILE=plan.q_per_tile,
+        HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
+        BLOCK_M=plan.block_m, SPARSE_Q_BLOCK=sparse_q, SPARSE_KV_BLOCK=sparse_kv,
+        HAS_FULL_BLOCKS=blocks.full_num_blocks is not None,
+        EVEN_KV=S % sparse_kv == 0, SPLIT_OUTPUT=split,
+        SCORE_IS_TRIVIAL=score_lowered.is_trivial, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
+        **meta,
+    )
+    if split:
+        module.flex_decode_reduce_kernel[(B * Hq * L,)](
+            part_out, part_lse, out, lse, *out.stride(), Hq, L, plan.num_splits,
+            HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
+            SPLITS_PAD=max(2, 1 << (plan.num_splits - 1).bit_length()),
+            num_warps=4 if Dv * plan.num_splits > 2048 else 2,
+        )
+    return out, lse

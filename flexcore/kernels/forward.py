@@ -1,0 +1,144 @@
+"""Host side of the forward kernel: tile choice, autotuning and the launch."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from flexcore._runtime import use_interpreter
+from flexcore.errors import InputError
+from flexcore.kernels.codegen import load_kernel_module
+from flexcore.options import KernelOptions
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class BlockTensors:
+    """The BlockMask tensors a kernel reads, expanded to (B, H, ...) (stride 0 where broadcast)."""
+
+    num_blocks: torch.Tensor
+    indices: torch.Tensor
+    full_num_blocks: torch.Tensor | None
+    full_indices: torch.Tensor | None
+    sparse_block: tuple[int, int]  # (rows, cols) of one mask block along this iteration
+
+
+def pad_head_dim(d: int) -> int:
+    return max(16, 1 << (d - 1).bit_length())
+
+
+def fit_tile(preferred: int, block: int, what: str) -> int:
+    """Largest power of two <= preferred that divides the mask block (tiles never straddle blocks)."""
+    tile = preferred
+    while tile >= 16:
+        if block % tile == 0:
+            return tile
+        tile //= 2
+    raise InputError(f"BlockMask {what} BLOCK_SIZE {block} is not a multiple of 16; the kernels need "
+                     "mask blocks that are multiples of 16 (128 is the usual choice)")
+
+
+def _check_tile(tile: int, block: int, name: str, what: str) -> int:
+    if block % tile:
+        raise InputError(f"kernel_options[{name!r}] = {tile} does not divide the BlockMask's {what} "
+                         f"BLOCK_SIZE {block}; use a power of two that divides it")
+    return tile
+
+
+# Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, for 2-byte dtypes.
+_GPU_CONFIGS = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4)],
+    128: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3)],
+    256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2), (128, 64, 8, 1)],
+}
+
+
+def gpu_configs(head_dim_pad: int, itemsize: int) -> list[tuple[int, int, int, int]]:
+    key = min((k for k in _GPU_CONFIGS if k >= head_dim_pad), default=256)
+    configs = _GPU_CONFIGS[key]
+    if itemsize == 4:  # float32 tiles take twice the shared memory: fewer stages, smaller tiles
+        configs = [(m, min(n, 64), w, max(1, s - 1)) for m, n, w, s in configs] + [(64, 32, 4, 2)]
+    return list(dict.fromkeys(configs))
+
+
+_autotuners: dict = {}
+
+
+def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: int):
+    """Return (kernel, fixed_meta) where fixed_meta holds the tile constexprs when not autotuning."""
+    kernel = module.flex_forward_kernel
+    sparse_q, sparse_kv = sparse
+    if use_interpreter():
+        bm = _check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(64, sparse_q, "query")
+        bn = _check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(64, sparse_kv, "key")
+        return kernel, dict(BLOCK_M=bm, BLOCK_N=bn)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if opts.BLOCK_M or opts.BLOCK_N or not opts.autotune:
+        m, n, w, s = gpu_configs(head_dim_pad, itemsize)[0]
+        bm = _check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(m, sparse_q, "query")
+        bn = _check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(n, sparse_kv, "key")
+        return kernel, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=opts.num_warps or w,
+                            num_stages=opts.num_stages or s)
+    import triton
+
+    length_bucket = min(max(q_len, 1).bit_length(), 15)
+    key = (module.__name__, head_dim_pad, dtype, sparse, length_bucket, opts.num_warps, opts.num_stages)
+    tuner = _autotuners.get(key)
+    if tuner is None:
+        configs = []
+        for m, n, w, s in gpu_configs(head_dim_pad, itemsize):
+            if sparse_q % m or sparse_kv % n:
+                continue
+            configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=opts.num_warps or w,
+                                         num_stages=opts.num_stages or s))
+        if not configs:
+            m, n = fit_tile(128, sparse_q, "query"), fit_tile(64, sparse_kv, "key")
+            configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=2)]
+        tuner = triton.autotune(configs=configs, key=[])(kernel) if len(configs) > 1 else None
+        _autotuners[key] = tuner or configs[0]
+        tuner = _autotuners[key]
+    if isinstance(tuner, triton.Config):
+        return kernel, dict(tuner.kwargs, num_warps=tuner.num_warps, num_stages=tuner.num_stages)
+    return tuner, {}
+
+
+def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,
+            opts: KernelOptions):
+    """Run the forward kernel. Returns (out (B, Hq, L, Dv) in q's dtype, lse (B, Hq, L) float32)."""
+    B, Hq, L, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
+    out = torch.empty((B, Hq, L, Dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device)
+    head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
+    kernel, meta = _launcher(module, max(head_dim_pad, head_dim_v_pad), q.dtype, blocks.sparse_block,
+                             opts, L)
+    sparse_q, sparse_kv = blocks.sparse_block
+    full_n = blocks.full_num_blocks if blocks.full_num_blocks is not None else blocks.num_blocks
+    full_i = blocks.full_indices if blocks.full_indices is not None else blocks.indices
+    upcast = use_interpreter() and q.dtype != torch.float32
+    precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
+
+    def grid(meta_):
+        return (math.ceil(L / meta_["BLOCK_M"]), B * Hq)
+
+    kernel[grid](
+        q, k, v, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        blocks.num_blocks, blocks.indices, full_n, full_i,
+        *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
+        *full_n.stride(), *full_i.stride()[:3],
+        L, S, Hq, scale, scale * _LOG2E,
+        *score_lowered.kernel_args(), *mask_lowered.kernel_args(),
+        GQA_GROUP=Hq // Hkv,
+        HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
+        SPARSE_Q_BLOCK=sparse_q, SPARSE_KV_BLOCK=sparse_kv,
+        HAS_FULL_BLOCKS=blocks.full_num_blocks is not None,
+        EVEN_Q=L % sparse_q == 0,  # tiles divide mask blocks, so this covers every BLOCK_M
+        EVEN_KV=S % sparse_kv == 0,
+        SCORE_IS_TRIVIAL=score_lowered.is_trivial, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
+        **meta,
+    )
+    return out, lse

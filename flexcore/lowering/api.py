@@ -1,0 +1,119 @@
+"""``lower_score_mod`` / ``lower_mask_mod``: a user's mod as a generated Triton function."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from flexcore.lowering.cache import LRUCache, guard_key
+from flexcore.lowering.codegen import generate
+from flexcore.lowering.trace import mod_name, trace_mod
+
+_cache = LRUCache(maxsize=512)
+#: Number of traces run in this process (tests count re-traces with it).
+trace_count = 0
+
+
+@dataclass(frozen=True, eq=False)
+class LoweredMod:
+    """A mod lowered to the source of one ``@triton.jit`` function.
+
+    ``score_mod_fn(score, b, h, q_idx, kv_idx, q_ok, kv_ok, *cap_params)`` returns a float32 tile;
+    ``mask_mod_fn(b, h, q_idx, kv_idx, q_ok, kv_ok, *cap_params)`` returns a bool tile. Results
+    broadcast against ``[BM, BN]``: a value that depends only on ``q_idx`` is ``[BM, 1]`` and a
+    constant is a 0-d scalar, so callers combine them with full tiles (``tl.where``, ``&``).
+
+    Attributes:
+        kind: ``"score"`` or ``"mask"``.
+        fn_name: ``"score_mod_fn"`` or ``"mask_mod_fn"``.
+        source: the function's text, decorator included.
+        cap_params: parameter names for captured tensors: per tensor ``{p}_c{i}_ptr`` then one
+            stride ``{p}_c{i}_s{d}`` per dimension (``p`` is ``sm`` or ``mm``).
+        captured: the captured tensors (the user's own objects), in ``cap_params`` order.
+        key: hash of ``source``; never depends on captured values.
+        is_trivial: identity score_mod / always-true mask_mod.
+        mod_name: ``__name__`` of the user's function (``None`` gives ``"identity"``/``"noop"``).
+    """
+
+    kind: str
+    fn_name: str
+    source: str
+    cap_params: tuple
+    captured: tuple
+    key: str
+    is_trivial: bool
+    mod_name: str = ""
+
+    def kernel_args(self) -> list:
+        """``[t0, *t0.stride(), t1, *t1.stride(), ...]``, matching ``cap_params``."""
+        out: list = []
+        for t in self.captured:
+            out.append(t)
+            out.extend(t.stride())
+        return out
+
+
+def _make(kind: str, source: str, cap_params, captured, trivial: bool, name: str) -> LoweredMod:
+    fn_name = "score_mod_fn" if kind == "score" else "mask_mod_fn"
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
+    return LoweredMod(kind, fn_name, source, tuple(cap_params), tuple(captured), key, trivial, name)
+
+
+_TRIVIAL = {
+    "score": ("@triton.jit\ndef score_mod_fn(score, b, h, q_idx, kv_idx, q_ok, kv_ok):\n"
+              "    return score\n"),
+    "mask": ("@triton.jit\ndef mask_mod_fn(b, h, q_idx, kv_idx, q_ok, kv_ok):\n"
+             "    return tl.full([], True, tl.int1)\n"),
+}
+
+
+def _lower(fn, kind: str) -> LoweredMod:
+    global trace_count
+    if fn is None:
+        return _make(kind, _TRIVIAL[kind], (), (), True, "identity" if kind == "score" else "noop")
+    guard = guard_key(fn)
+    if guard is not None:
+        cache_key = (kind, guard[0])
+        hit = _cache.get(cache_key)
+        if hit is not None:
+            return hit[0]
+    trace_count += 1
+    gm = trace_mod(fn, kind)
+    source, cap_params, captured, trivial = generate(gm, kind, mod_name(fn))
+    lowered = _make(kind, source, cap_params, captured, trivial, mod_name(fn))
+    if guard is not None:
+        _cache.put(cache_key, (lowered, guard[1]))
+    return lowered
+
+
+def lower_score_mod(fn) -> LoweredMod:
+    """Lower ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (None: identity).
+
+    Example:
+        >>> def alibi(score, b, h, q_idx, kv_idx):
+        ...     return score + slopes[h] * (kv_idx - q_idx)
+        >>> lowered = lower_score_mod(alibi)
+        >>> lowered.cap_params
+        ('sm_c0_ptr', 'sm_c0_s0')
+
+    Raises:
+        ModError (UnsupportedOpError, ControlFlowError, ModSignatureError, ModReturnError) naming
+        the mod and the offending line.
+    """
+    return _lower(fn, "score")
+
+
+def lower_mask_mod(fn) -> LoweredMod:
+    """Lower ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (None: keep everything).
+
+    Example:
+        >>> lower_mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx).source.splitlines()[1]
+        'def mask_mod_fn(b, h, q_idx, kv_idx, q_ok, kv_ok):'
+    """
+    return _lower(fn, "mask")
+
+
+def clear_cache() -> None:
+    """Forget every cached trace (tests use it to count traces)."""
+    _cache.clear()

@@ -1,0 +1,275 @@
+"""Trace a score_mod / mask_mod into a small aten graph with make_fx.
+
+Captured tensors (closures, globals) become ``get_attr`` constants holding the user's own tensor
+objects; every ``call_function`` node carries ``node.meta["flex_loc"]``: the user's file, line and
+the torch function that produced it, so later errors can point at the user's source.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+
+import torch
+from torch.fx import GraphModule
+from torch.overrides import TorchFunctionMode
+
+from flexcore._runtime import prepare_triton
+from flexcore.errors import ControlFlowError, ModError, ModReturnError, ModSignatureError
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_LOWERING_DIR = os.path.dirname(os.path.abspath(__file__))
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"]
+
+#: Arguments each kind of mod takes, in order.
+MOD_ARGS = {"score": ("score", "b", "h", "q_idx", "kv_idx"), "mask": ("b", "h", "q_idx", "kv_idx")}
+
+_CONTROL_FLOW = {
+    torch.Tensor.__bool__: "bool(tensor) (an `if`, `while`, `and`, `or` or `not` on a tensor)",
+    torch.Tensor.__int__: "int(tensor)",
+    torch.Tensor.__float__: "float(tensor)",
+    torch.Tensor.__index__: "using a tensor as a Python index or range bound",
+    torch.Tensor.item: "tensor.item()",
+    torch.Tensor.tolist: "tensor.tolist()",
+    torch.Tensor.numpy: "tensor.numpy()",
+}
+
+
+@dataclass(frozen=True)
+class Location:
+    filename: str | None
+    lineno: int | None
+
+
+def mod_name(fn) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _is_user_file(filename: str) -> bool:
+    if not filename or filename.startswith("<frozen"):
+        return False
+    path = os.path.abspath(filename)
+    return not (path.startswith(_TORCH_DIR) or path.startswith(_LOWERING_DIR)
+                or path.startswith(_STDLIB_DIR))
+
+
+def user_location_from_stack() -> Location:
+    """The innermost frame of the caller's stack that belongs to user code."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if _is_user_file(frame.f_code.co_filename):
+            return Location(frame.f_code.co_filename, frame.f_lineno)
+        frame = frame.f_back
+    return Location(None, None)
+
+
+def user_location_from_traceback(tb) -> Location:
+    """The innermost frame of a traceback that belongs to user code."""
+    found = Location(None, None)
+    while tb is not None:
+        if _is_user_file(tb.tb_frame.f_code.co_filename):
+            found = Location(tb.tb_frame.f_code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found
+
+
+def definition_location(fn) -> Location:
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None:
+        return Location(None, None)
+    return Location(code.co_filename, code.co_firstlineno)
+
+
+def func_display_name(func) -> str:
+    """``torch.sin`` / ``Tensor.sin`` for a torch function seen by a TorchFunctionMode."""
+    name = getattr(func, "__name__", None) or repr(func)
+    qual = getattr(func, "__qualname__", "") or ""
+    if qual.startswith(("TensorBase.", "Tensor.")) or "method" in type(func).__name__:
+        return f"Tensor.{name}"
+    module = getattr(func, "__module__", None) or "torch"
+    if module.startswith("torch._C"):
+        module = "torch"
+    return f"{module}.{name}"
+
+
+class _TraceError(Exception):
+    """Carries a ModError out through make_fx, which may wrap exceptions raised inside it."""
+
+    def __init__(self, error: ModError):
+        super().__init__(str(error))
+        self.error = error
+
+
+class _LoweringMode(TorchFunctionMode):
+    """Rewrites tensor indexing into ``aten.index.Tensor``, rejects Python control flow on tensors
+    and tags the graph nodes each torch call creates with the user's source line."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _CONTROL_FLOW:
+            loc = user_location_from_stack()
+            raise _TraceError(ControlFlowError(
+                f"{_CONTROL_FLOW[func]} needs the tensor's value, which is unknown while the mod is "
+                "lowered to a kernel. Express the branch with torch.where(cond, a, b) (and combine "
+                "conditions with &, |, ~ instead of and/or/not).",
+                mod_name=self.name, filename=loc.filename, lineno=loc.lineno,
+                op=func_display_name(func)))
+        graph = _current_graph()
+        before = len(graph.nodes) if graph is not None else 0
+        if func is torch.Tensor.__getitem__:
+            out = _index(self.name, *args)
+        else:
+            out = func(*args, **kwargs)
+        if graph is not None and len(graph.nodes) > before:
+            loc = user_location_from_stack()
+            shown = "Tensor.__getitem__" if func is torch.Tensor.__getitem__ else func_display_name(func)
+            for node in list(graph.nodes)[before:]:
+                node.meta.setdefault("flex_loc", (loc.filename, loc.lineno, shown))
+        return out
+
+
+def _current_graph():
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    mode = get_proxy_mode()
+    return None if mode is None else mode.tracer.graph
+
+
+def _index(name: str, tensor, index):
+    """``tensor[index]`` as ``aten.index.Tensor`` (tensor and int indices, ``:`` and ``...``)."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if any(i is Ellipsis for i in items):
+        at = items.index(Ellipsis)
+        fill = tensor.dim() - (len(items) - 1 - sum(i is None for i in items))
+        items[at:at + 1] = [slice(None)] * max(fill, 0)
+    converted = []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            if item.dtype == torch.bool or item.is_floating_point():
+                loc = user_location_from_stack()
+                raise _TraceError(ModError(
+                    f"indexing with a {item.dtype} tensor is not supported; index captured tensors "
+                    "with integer expressions of b, h, q_idx, kv_idx.", mod_name=name,
+                    filename=loc.filename, lineno=loc.lineno, op="Tensor.__getitem__"))
+            converted.append(item)
+        elif isinstance(item, bool) or not isinstance(item, (int, slice)):
+            loc = user_location_from_stack()
+            raise _TraceError(ModError(
+                f"index {item!r} is not supported; use tensors, ints, ':' or '...'.", mod_name=name,
+                filename=loc.filename, lineno=loc.lineno, op="Tensor.__getitem__"))
+        elif isinstance(item, int):
+            converted.append(torch.full((), item, dtype=torch.int64))
+        elif item == slice(None):
+            converted.append(None)
+        else:
+            loc = user_location_from_stack()
+            raise _TraceError(ModError(
+                f"slice {item!r} is not supported; only ':' (whole dimension) can be sliced, so "
+                "index the tensor with an offset expression instead.", mod_name=name,
+                filename=loc.filename, lineno=loc.lineno, op="Tensor.__getitem__"))
+    while converted and converted[-1] is None:
+        converted.pop()
+    if not converted:
+        return tensor
+    return torch.ops.aten.index.Tensor(tensor, converted)
+
+
+def check_signature(fn, kind: str) -> None:
+    """Raise ModSignatureError unless ``fn`` accepts the mod's positional arguments."""
+    if not callable(fn):
+        raise ModSignatureError(
+            f"expected a {kind}_mod callable {MOD_ARGS[kind]}, got {type(fn).__name__}",
+            mod_name=None)
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins and some C callables have no signature: find out when tracing
+    try:
+        sig.bind(*MOD_ARGS[kind])
+    except TypeError as e:
+        loc = definition_location(fn)
+        n = len(MOD_ARGS[kind])
+        raise ModSignatureError(
+            f"a {kind}_mod takes {n} arguments {MOD_ARGS[kind]}, but its signature is "
+            f"{mod_name(fn)}{sig} ({e}).", mod_name=mod_name(fn), filename=loc.filename,
+            lineno=loc.lineno) from None
+
+
+def _normalize_return(fn, kind: str, out):
+    name = mod_name(fn)
+    loc = definition_location(fn)
+    if kind == "mask":
+        if isinstance(out, bool):
+            return torch.full((), out, dtype=torch.bool)
+        if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
+            return out
+        got = f"a {out.dtype} tensor" if isinstance(out, torch.Tensor) else f"{type(out).__name__}"
+        raise _TraceError(ModReturnError(
+            f"a mask_mod must return a bool tensor (True keeps the position), but it returned {got}; "
+            "return a comparison such as q_idx >= kv_idx, or cast with .bool().",
+            mod_name=name, filename=loc.filename, lineno=loc.lineno))
+    if isinstance(out, (int, float)) and not isinstance(out, bool):
+        return torch.full((), float(out), dtype=torch.float32)
+    if isinstance(out, torch.Tensor) and out.dtype != torch.bool and not out.is_complex():
+        return out
+    got = f"a {out.dtype} tensor" if isinstance(out, torch.Tensor) else f"{type(out).__name__}"
+    raise _TraceError(ModReturnError(
+        f"a score_mod must return a float tensor (the modified score), but it returned {got}; "
+        "use a mask_mod for boolean masks, or torch.where(cond, score, float('-inf')).",
+        mod_name=name, filename=loc.filename, lineno=loc.lineno))
+
+
+def trace_mod(fn, kind: str) -> GraphModule:
+    """Trace ``fn`` over 0-d tensors (score float32; b, h, q_idx, kv_idx int32) to an aten graph.
+
+    Raises:
+        ModError and its subclasses, with the user's file and line where known.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    # make_fx imports triton; the interpreter must be chosen before triton's own @jit
+    # functions (tl.zeros, ...) are decorated, or later kernels cannot call them.
+    prepare_triton()
+    check_signature(fn, kind)
+    name = mod_name(fn)
+    args = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
+    if kind == "score":
+        args.insert(0, torch.zeros((), dtype=torch.float32))
+
+    def traced(*a):
+        return _normalize_return(fn, kind, fn(*a))
+    traced.__signature__ = inspect.Signature(
+        [inspect.Parameter(p, inspect.Parameter.POSITIONAL_ONLY) for p in MOD_ARGS[kind]])
+
+    try:
+        with _LoweringMode(name):
+            gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+    except _TraceError as e:
+        raise e.error from None
+    except Exception as e:  # noqa: BLE001 - anything the user's code raised is reported as theirs
+        if isinstance(e.__cause__, _TraceError):
+            raise e.__cause__.error from None
+        if isinstance(e, ModError):
+            raise
+        loc = user_location_from_traceback(e.__traceback__)
+        if "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__:
+            raise ControlFlowError(
+                "the mod needs a tensor's value in Python (data-dependent control flow), which is "
+                "unknown while it is lowered to a kernel. Use torch.where(cond, a, b) instead.",
+                mod_name=name, filename=loc.filename, lineno=loc.lineno) from e
+        raise ModError(f"{type(e).__name__} while tracing the mod: {e}", mod_name=name,
+                       filename=loc.filename, lineno=loc.lineno) from e
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
+    if val is not None and val.dim() != 0:
+        loc = definition_location(fn)
+        raise ModReturnError(
+            f"the {kind}_mod returns a tensor of shape {tuple(val.shape)} for one position; it must "
+            "return a single value (index every dimension of captured tensors).",
+            mod_name=name, filename=loc.filename, lineno=loc.lineno)
+    return gm

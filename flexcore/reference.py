@@ -1,0 +1,206 @@
+"""Eager reference of :func:`flexcore.flex_attention`, with FlagAttention's ``upcast`` flag.
+
+Scores are materialised a chunk of query rows at a time (at most ``_CHUNK_SCORES`` per chunk), so
+long sequences fit in memory; under autograd each chunk is checkpointed, so the backward pass is
+bounded the same way.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from flexcore._types import ScoreMod
+from flexcore.blockmask import (EMPTY, FULL, BlockMask, _as_bool_mask, _broadcast_result,
+                                _call_mod, _mod_kind, _mod_location, _row_chunks)
+from flexcore.errors import InputError, ModReturnError
+from flexcore.masks import noop_mask
+
+__all__ = ["flex_attention_reference"]
+
+#: Most scores (B * Hq * rows * S) materialised at once.
+_CHUNK_SCORES = 1 << 26
+
+
+def _check_inputs(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise InputError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
+        if t.dim() != 4:
+            raise InputError(f"{name} must be 4-d (B, H, L, D); got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise InputError(f"{name} must be floating point; got {t.dtype}")
+    shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+    if not (query.dtype == key.dtype == value.dtype):
+        raise InputError(f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, "
+                         f"{value.dtype}")
+    if not (query.device == key.device == value.device):
+        raise InputError(f"query, key and value must be on one device; got {query.device}, "
+                         f"{key.device}, {value.device}")
+    B, Hq, _, D = query.shape
+    if key.shape[0] != B or value.shape[0] != B:
+        raise InputError(f"batch sizes differ: {shapes}")
+    if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
+        raise InputError(f"key and value must have the same heads and length: {shapes}")
+    if key.shape[3] != D:
+        raise InputError(f"query and key head dims differ: {shapes}")
+    Hkv = key.shape[1]
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise InputError(f"query has {Hq} heads and key/value {Hkv}: pass enable_gqa=True for "
+                             f"grouped-query attention ({shapes})")
+        if Hq % Hkv:
+            raise InputError(f"grouped-query attention needs query heads ({Hq}) to be a multiple of "
+                             f"key/value heads ({Hkv})")
+
+
+def _check_block_mask(bm, B: int, Hq: int, L: int, S: int) -> None:
+    if not isinstance(bm, BlockMask):
+        raise InputError(f"block_mask must be a flexcore.BlockMask (from create_block_mask); got "
+                         f"{type(bm).__name__}")
+    Bm, Hm, QB, KB = bm.kv_indices.shape
+    BQ, BK = bm.BLOCK_SIZE
+    if Bm not in (1, B) or Hm not in (1, Hq):
+        raise InputError(f"block_mask has (B, H) = ({Bm}, {Hm}); it must be (1 or {B}, 1 or {Hq}) "
+                         f"for query shape (B={B}, H={Hq})")
+    if QB * BQ < L or KB * BK < S:
+        raise InputError(f"block_mask covers {QB}x{BQ} query and {KB}x{BK} key positions, fewer "
+                         f"than the inputs' ({L}, {S}); build it with Q_LEN={L}, KV_LEN={S}")
+
+
+def _attend_rows(q: Tensor, k: Tensor, v: Tensor, row0: int, score_mod, mask_mod, block_map,
+                 block_size, scale: float, work_dtype: torch.dtype, out_dtype: torch.dtype,
+                 lse_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Attention of query rows [row0, row0 + q.shape[2]) against all keys; fully masked rows give
+    output 0 and lse -inf."""
+    B, Hq, Lc, _ = q.shape
+    S = k.shape[2]
+    device = q.device
+    b = torch.arange(B, device=device, dtype=torch.int32).view(-1, 1, 1, 1)
+    h = torch.arange(Hq, device=device, dtype=torch.int32).view(1, -1, 1, 1)
+    q_idx = torch.arange(row0, row0 + Lc, device=device, dtype=torch.int32).view(1, 1, -1, 1)
+    kv_idx = torch.arange(S, device=device, dtype=torch.int32).view(1, 1, 1, -1)
+    shape = (B, Hq, Lc, S)
+
+    scores = (q.to(work_dtype) @ k.to(work_dtype).transpose(-2, -1)) * scale
+    if score_mod is not None:
+        result = _call_mod(score_mod, (scores, b, h, q_idx, kv_idx), "score")
+        if not isinstance(result, Tensor) or not result.is_floating_point():
+            name, filename, lineno = _mod_location(score_mod)
+            raise ModReturnError("score_mod must return a floating-point tensor; it returned "
+                                 + (str(result.dtype) if isinstance(result, Tensor)
+                                    else type(result).__name__),
+                                 mod_name=name, filename=filename, lineno=lineno)
+        scores = _broadcast_result(result.to(work_dtype), score_mod, shape, device)
+
+    keep = None
+    if block_map is not None:
+        BQ, BK = block_size
+        rows = block_map.index_select(2, (q_idx.view(-1) // BQ).long())
+        kind = rows.index_select(3, (kv_idx.view(-1) // BK).long())  # (Bm, Hm, Lc, S)
+        keep = kind == FULL
+        partial = (kind != EMPTY) & ~keep
+        if mask_mod is noop_mask:
+            keep = keep | partial
+        else:
+            with torch.no_grad():
+                mod_keep = _as_bool_mask(_call_mod(mask_mod, (b, h, q_idx, kv_idx), "mask"),
+                                         mask_mod, shape, device)
+            keep = keep | (partial & mod_keep)
+    if keep is not None:
+        scores = torch.where(keep, scores, torch.tensor(-math.inf, dtype=work_dtype, device=device))
+
+    # The row max is a constant shift (softmax and lse are invariant to it): detaching it keeps
+    # gradients exact and avoids max's subgradient.
+    row_max = scores.detach().amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    p = torch.exp(scores - row_max)
+    row_sum = p.sum(dim=-1, keepdim=True)
+    has_keys = row_sum > 0
+    safe_sum = torch.where(has_keys, row_sum, torch.ones_like(row_sum))
+    # As torch's eager math: normalised probabilities, cast to the output dtype, then @ V.
+    out = (p / safe_sum).to(out_dtype) @ v.to(out_dtype)
+    lse = torch.where(has_keys, row_max + torch.log(safe_sum),
+                      torch.full_like(row_sum, -math.inf)).squeeze(-1)
+    return out, lse.to(lse_dtype)
+
+
+def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
+                             score_mod: ScoreMod | None = None, block_mask: BlockMask | None = None,
+                             scale: float | None = None, enable_gqa: bool = False,
+                             return_lse: bool = False, kernel_options=None, *,
+                             upcast: bool = True) -> Tensor | tuple[Tensor, Tensor]:
+    """Eager, differentiable flex_attention: softmax(score_mod(Q Kᵀ · scale), masked) V.
+
+    A position is kept when its block is full, or partial and ``block_mask.mask_mod`` keeps it
+    (exactly what the kernels compute); without a block_mask every position is kept. Fully masked
+    rows give output 0 and lse -inf.
+
+    Args:
+        query: (B, Hq, L, D); key: (B, Hkv, S, D); value: (B, Hkv, S, Dv).
+        score_mod: ``(score, b, h, q_idx, kv_idx) -> score``; ``h`` is the query head.
+        block_mask: a :class:`BlockMask` covering (L, S), with B and H of 1 or the inputs'.
+        scale: default 1/sqrt(D).
+        enable_gqa: allow Hq to be a multiple of Hkv (query head h reads key/value head h // (Hq/Hkv)).
+        return_lse: also return the natural-log logsumexp of the kept scores, (B, Hq, L).
+        kernel_options: accepted for signature compatibility and ignored.
+        upcast: True computes and returns float64 (the golden); False mirrors torch's eager math in
+            the input dtype (scores and softmax in float32, probabilities cast to the input dtype
+            before @ V), to measure torch's own error.
+
+    Returns:
+        out (B, Hq, L, Dv), float64 if upcast else the input dtype; with return_lse also lse,
+        float64 if upcast else float32.
+
+    Example:
+        >>> golden = flex_attention_reference(q, k, v, block_mask=bm)          # float64
+        >>> torch_err = flex_attention_reference(q, k, v, block_mask=bm, upcast=False)
+    """
+    _check_inputs(query, key, value, enable_gqa)
+    B, Hq, L, D = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    if score_mod is not None:
+        _mod_kind(score_mod, "flex_attention_reference", allowed=("score",), arg="score_mod")
+    block_map = mask_mod = None
+    if block_mask is not None:
+        _check_block_mask(block_mask, B, Hq, L, S)
+        block_map = block_mask.block_map()
+        mask_mod = block_mask.mask_mod
+        if mask_mod is not noop_mask:
+            _mod_kind(mask_mod, "flex_attention_reference", arg="block_mask.mask_mod")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+
+    if upcast:
+        work_dtype = out_dtype = lse_dtype = torch.float64
+    else:
+        work_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        out_dtype, lse_dtype = query.dtype, torch.float32
+    if Hq != Hkv:
+        key = key.repeat_interleave(Hq // Hkv, dim=1)
+        value = value.repeat_interleave(Hq // Hkv, dim=1)
+
+    def chunk(q_rows: Tensor, row0: int, k: Tensor, v: Tensor):
+        return _attend_rows(q_rows, k, v, row0, score_mod, mask_mod, block_map,
+                            block_mask.BLOCK_SIZE if block_mask is not None else None, scale,
+                            work_dtype, out_dtype, lse_dtype)
+
+    rows_list = list(_row_chunks(L, B * Hq * S, _CHUNK_SCORES))
+    # Checkpointing bounds the memory autograd keeps to one chunk of scores at a time; it re-runs
+    # the mods in backward, which is harmless since they are pure.
+    use_checkpoint = len(rows_list) > 1 and torch.is_grad_enabled()
+    outs, lses = [], []
+    for rows in rows_list:
+        q_rows = query[:, :, rows]
+        if use_checkpoint:
+            out, lse = checkpoint(chunk, q_rows, rows.start, key, value, use_reentrant=False)
+        else:
+            out, lse = chunk(q_rows, rows.start, key, value)
+        outs.append(out)
+        lses.append(lse)
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    if not return_lse:
+        return out
+    return out, (lses[0] if len(lses) == 1 else torch.cat(lses, dim=2))

@@ -1,0 +1,209 @@
+"""flex_attention's forward kernel against the float64 reference, under Triton's interpreter."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+
+import pytest
+import torch
+
+from flexcore import KernelOptions, create_block_mask, flex_attention
+from flexcore.errors import InputError
+from flexcore.reference import flex_attention_reference
+from tests.flexcore.cases import CPU_SHAPES, MOD_NAMES, Shape, make_mods
+
+DEVICE = "cpu"
+
+
+def rel_err(out, golden):
+    out, golden = out.double(), golden.double()
+    fin = torch.isfinite(golden)
+    if not torch.equal(torch.isfinite(out), fin):
+        return math.inf
+    diff = (out[fin] - golden[fin]).norm()
+    return (diff / golden[fin].norm().clamp_min(1e-30)).item()
+
+
+def seed_of(*parts) -> int:
+    return zlib.crc32(repr(parts).encode())
+
+
+def check_forward(shape: Shape, mod_name: str, dtype, seed: int, kernel_options=None, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (t.to(device) for t in shape.qkv(dtype, "cpu", gen))
+    score_mod, mask_mod = make_mods(mod_name, shape, device, gen)
+    bm = None
+    if mask_mod is not None:
+        bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=device,
+                               BLOCK_SIZE=shape.block)
+    gqa = shape.Hq != shape.Hkv
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
+                              return_lse=True, kernel_options=kernel_options)
+    gold, gold_lse = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=bm,
+                                              enable_gqa=gqa, return_lse=True, upcast=True)
+    base, _ = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=bm,
+                                       enable_gqa=gqa, return_lse=True, upcast=False)
+    assert out.dtype == dtype and out.shape == (shape.B, shape.Hq, shape.L, shape.Dv)
+    assert not out.isnan().any()
+    err, base_err = rel_err(out, gold), rel_err(base, gold)
+    eps = 1e-6 if dtype == torch.float32 else 1e-3
+    assert err <= 2 * base_err + eps, f"{mod_name}/{shape.name}/{dtype}: err {err:.3g} vs torch {base_err:.3g}"
+    # lse: -inf exactly where the reference has it, close elsewhere.
+    assert torch.equal(torch.isinf(lse), torch.isinf(gold_lse))
+    fin = torch.isfinite(gold_lse)
+    assert (lse[fin].double() - gold_lse[fin]).abs().max() <= 1e-4 * max(1.0, gold_lse[fin].abs().max().item())
+
+
+@pytest.mark.parametrize("mod_name", MOD_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_variants_square(mod_name, dtype):
+    check_forward(CPU_SHAPES[0], mod_name, dtype, seed=seed_of(mod_name, str(dtype)))
+
+
+@pytest.mark.parametrize("shape", CPU_SHAPES[1:], ids=lambda s: s.name)
+@pytest.mark.parametrize("mod_name", MOD_NAMES)
+def test_variants_shapes(shape, mod_name):
+    dtype = torch.bfloat16 if shape.name in ("gqa8to2", "d80_dv48") else torch.float32
+    check_forward(shape, mod_name, dtype, seed=seed_of(mod_name, shape.name))
+
+
+def test_float16():
+    check_forward(CPU_SHAPES[0], "alibi", torch.float16, seed=3)
+
+
+def test_mask_block_larger_than_tile():
+    # Mask blocks of 128 visited with 64x32 tiles: every mask block spans several tiles.
+    shape = Shape("tile", B=1, Hq=2, Hkv=2, L=200, S=260, D=32, Dv=32, block=128)
+    check_forward(shape, "sliding_window", torch.float32, seed=5,
+                  kernel_options={"BLOCK_M": 64, "BLOCK_N": 32})
+    check_forward(shape, "document", torch.float32, seed=6, kernel_options=KernelOptions(BLOCK_N=64))
+
+
+def test_noncontiguous_inputs_and_scale():
+    gen = torch.Generator().manual_seed(7)
+    B, H, L, D = 2, 3, 70, 48
+    q = torch.randn(B, L, H, D, generator=gen).transpose(1, 2)
+    k = torch.randn(B, L, H, 2 * D, generator=gen).transpose(1, 2)[..., ::2]
+    v = torch.randn(B, H, D, L, generator=gen).transpose(2, 3)
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    out = flex_attention(q, k, v, scale=0.3)
+    gold = flex_attention_reference(q, k, v, scale=0.3)
+    assert rel_err(out, gold) < 1e-5
+
+
+def test_fully_masked_rows_give_zero_and_neg_inf():
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 80, 32, generator=gen) for _ in range(3))
+
+    def late(b, h, q_idx, kv_idx):
+        return kv_idx < q_idx - 20  # the first 21 queries see nothing
+
+    bm = create_block_mask(late, None, None, 80, 80, device=DEVICE, BLOCK_SIZE=32)
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.equal(out[:, :, :21], torch.zeros_like(out[:, :, :21]))
+    assert torch.isneginf(lse[:, :, :21]).all() and torch.isfinite(lse[:, :, 21:]).all()
+    gold = flex_attention_reference(q, k, v, block_mask=bm)
+    assert rel_err(out, gold) < 1e-5
+
+
+def test_changing_captured_tensor_does_not_recompile():
+    from flexcore.kernels import codegen
+
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=gen) for _ in range(3))
+    bias = torch.randn(2, generator=gen)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h] * (kv_idx - q_idx)
+
+    first = flex_attention(q, k, v, score_mod=head_bias)
+    compiled = codegen.compile_count
+    bias.mul_(-3.0)  # new values, same tensor
+    second = flex_attention(q, k, v, score_mod=head_bias)
+    assert codegen.compile_count == compiled
+    assert rel_err(second, flex_attention_reference(q, k, v, score_mod=head_bias)) < 1e-5
+    assert rel_err(first, second) > 1e-3  # the new values were used
+
+
+def test_rebinding_captured_global_uses_new_tensor():
+    gen = torch.Generator().manual_seed(10)
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=gen) for _ in range(3))
+    holder = {"t": torch.zeros(64)}
+
+    def make():
+        t = holder["t"]
+        return lambda score, b, h, q_idx, kv_idx: score + t[kv_idx]
+
+    out0 = flex_attention(q, k, v, score_mod=make())
+    holder["t"] = torch.randn(64, generator=gen) * 4
+    mod = make()
+    out1 = flex_attention(q, k, v, score_mod=mod)
+    assert rel_err(out0, flex_attention_reference(q, k, v)) < 1e-5
+    assert rel_err(out1, flex_attention_reference(q, k, v, score_mod=mod)) < 1e-5
+
+
+def test_sliced_and_replaced_block_mask():
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 96, 32, generator=gen) for _ in range(3))
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    bm = create_block_mask(causal, None, None, 96, 96, device=DEVICE, BLOCK_SIZE=32)
+    with pytest.raises(InputError, match="seq_lengths"):
+        flex_attention(q[:, :, :32], k, v, block_mask=bm[:, :, :1])
+    # A sliced mask needs its mask_mod restated (slicing renumbers blocks), as in torch.
+    sliced = dataclasses.replace(bm[:, :, :1], seq_lengths=(32, 96), mask_mod=causal)
+    out = flex_attention(q[:, :, :32], k, v, block_mask=sliced)
+    gold = flex_attention_reference(q, k, v, block_mask=bm)[:, :, :32]
+    assert rel_err(out, gold) < 1e-5
+
+
+@pytest.mark.parametrize("case", [
+    "rank", "batch", "heads", "gqa_divisible", "dim", "kv_len", "dtype", "device", "mask_len",
+    "mask_heads", "option_key", "option_tile", "score_mod_type",
+])
+def test_bad_input_names_the_argument(case):
+    q = torch.randn(2, 4, 64, 32)
+    k = torch.randn(2, 4, 64, 32)
+    v = torch.randn(2, 4, 64, 32)
+    kwargs = {}
+    match = None
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    if case == "rank":
+        q, match = q[0], r"query has shape \(4, 64, 32\); expected 4 dims"
+    elif case == "batch":
+        k, v, match = k[:1], v[:1], "batch sizes differ"
+    elif case == "heads":
+        k, v, match = k[:, :2], v[:, :2], "enable_gqa=True"
+    elif case == "gqa_divisible":
+        k, v, match = k[:, :3], v[:, :3], "divisible"
+        kwargs["enable_gqa"] = True
+    elif case == "dim":
+        k, match = torch.randn(2, 4, 64, 16), "head dim 32 differs from key head dim 16"
+    elif case == "kv_len":
+        v, match = torch.randn(2, 4, 65, 32), "key has length 64 but value has 65"
+    elif case == "dtype":
+        k, match = k.double(), "dtype"
+    elif case == "device":
+        k, match = k.to("meta"), "one device"
+    elif case == "mask_len":
+        kwargs["block_mask"] = create_block_mask(causal, None, None, 128, 128, device=DEVICE)
+        match = "Q_LEN=128, KV_LEN=128"
+    elif case == "mask_heads":
+        kwargs["block_mask"] = create_block_mask(causal, None, 3, 64, 64, device=DEVICE, BLOCK_SIZE=32)
+        match = "heads 3"
+    elif case == "option_key":
+        kwargs["kernel_options"], match = {"BLOCK_Q": 64}, "unknown kernel_options"
+    elif case == "option_tile":
+        kwargs["block_mask"] = create_block_mask(causal, None, None, 64, 64, device=DEVICE, BLOCK_SIZE=32)
+        kwargs["kernel_options"], match = {"BLOCK_M": 64}, "does not divide"
+    elif case == "score_mod_type":
+        kwargs["score_mod"], match = 3.0, "score_mod must be callable"
+    with pytest.raises((InputError, ValueError, TypeError), match=match):
+        flex_attention(q, k, v, **kwargs)
