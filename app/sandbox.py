@@ -59,6 +59,14 @@ def _take_worker() -> subprocess.Popen:
     return proc
 
 
+def warm() -> None:
+    """Start the spare child now (at app start), so the first check does not wait for imports."""
+    global _spare
+    with _lock:
+        if _spare is None or _spare.poll() is not None:
+            _spare = _spawn()
+
+
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
@@ -180,11 +188,16 @@ def _where_now(signum, frame) -> None:
         if frame.f_code.co_filename == FILENAME and lineno is None:
             lineno = frame.f_lineno
         frame = frame.f_back
-    where = f" at line {lineno}" if lineno else ""
-    result = _problem("timeout", "Stopped: the code did not finish",
-                      f"The code was still running{where} when its time ran out (an endless loop "
-                      "such as `while True`?). It was stopped; nothing ran in the app. Make every "
-                      "loop finish and run again.", lineno, source_line(_CURRENT_CODE["text"], lineno))
+    if lineno is not None:
+        message = (f"The code was still running at line {lineno} when its time ran out (an "
+                   "endless loop such as `while True`?). It was stopped; nothing ran in the app. "
+                   "Make every loop finish and run again.")
+    else:
+        message = ("Checking the code did not finish in time, inside the libraries rather than on "
+                   "one of your lines: the shape may be too large for this machine. It was "
+                   "stopped; nothing ran in the app. Try a smaller shape.")
+    result = _problem("timeout", "Stopped: the code did not finish", message, lineno,
+                      source_line(_CURRENT_CODE["text"], lineno))
     _send(result)
     os._exit(0)
 
@@ -233,17 +246,32 @@ def serve_one(request: dict) -> dict:
         return {"ok": False, "problem": problem_from_exception(e, code, "while checking the mods").to_dict()}
 
 
+def _warm_up() -> None:
+    """Pay the first-use cost of tracing (lazy imports) before the user's clock starts."""
+    try:
+        from flexcore import create_mask
+        from flexcore.lowering import lower_mask_mod, lower_score_mod
+
+        def _score(score, b, h, q_idx, kv_idx):
+            return score + (q_idx - kv_idx)
+
+        def _mask(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        lower_score_mod(_score)
+        lower_mask_mod(_mask)
+        create_mask(_mask, 1, 1, 8, 8, device="cpu")
+    except Exception:  # noqa: BLE001 - a missing piece shows up again when the user's code runs
+        pass
+
+
 def _main() -> None:
     import torch  # noqa: F401 - paid before READY, not on the user's clock
 
     from flexcore._runtime import prepare_triton
 
     prepare_triton()
-    try:
-        import flexcore.lowering  # noqa: F401
-        import flexcore.blockmask  # noqa: F401
-    except ImportError:
-        pass
+    _warm_up()
     # The user's print() calls (and native writes to fd 1) must not corrupt the protocol.
     _CHANNEL["out"] = os.fdopen(os.dup(1), "w")
     devnull = os.open(os.devnull, os.O_WRONLY)

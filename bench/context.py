@@ -43,7 +43,6 @@ class CaseContext:
     settings: Settings
     device: torch.device
     mods: Mods
-    captured: list[torch.Tensor]
     inputs: list[InputSet] = field(default_factory=list)
     _cache: dict = field(default_factory=dict)
 
@@ -57,9 +56,13 @@ class CaseContext:
         return self.case.pass_ == "fwd_bwd"
 
     @property
+    def learnable_named(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) of captured tensors that require grad: their gradients are compared."""
+        return [(n, t) for n, t in self.mods.captured if t.requires_grad]
+
+    @property
     def learnable(self) -> list[torch.Tensor]:
-        """Captured tensors that require grad: their gradients are compared on backward passes."""
-        return [t for t in self.captured if t.requires_grad]
+        return [t for _, t in self.learnable_named]
 
     def mask_dims(self) -> tuple[int, int]:
         if self.mods.mask_mod is None:
@@ -257,11 +260,10 @@ def make_context(case: Case, settings: Settings, device: torch.device, n_sets: i
     c = case
     resolved = resolve(c.variant, B=c.batch, H=c.q_heads, KV_HEADS=c.kv_heads, Q_LEN=c.q_len,
                        KV_LEN=c.kv_len, D=c.head_dim, device=device, dtype=c.torch_dtype())
-    captured = list(resolved.captured)
-    mods = Mods(resolved.label, resolved.score_mod, resolved.mask_mod, tuple(captured))
+    mods = resolved
     if c.pass_ == "decode":
         mods = offset_indices(mods, q0=c.kv_len - c.q_len)
-    ctx = CaseContext(c, settings, device, mods, captured)
+    ctx = CaseContext(c, settings, device, mods)
     gen = torch.Generator(device="cpu").manual_seed(settings.seed + _stable_hash(c.case_id))
     dtype = c.torch_dtype()
     set_bytes = (c.batch * c.q_heads * c.q_len * c.head_dim + c.batch * c.kv_heads * c.kv_len

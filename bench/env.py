@@ -13,15 +13,13 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def _version(module_name: str, dist_name: str | None = None) -> str | None:
+def _version(dist_name: str) -> str | None:
+    # Package metadata only: importing triton here would run its @jit decorators before flexcore
+    # selects Triton's interpreter on CPU machines.
     try:
-        module = __import__(module_name)
-        return str(getattr(module, "__version__", None) or importlib.metadata.version(dist_name or module_name))
-    except Exception:
-        try:
-            return importlib.metadata.version(dist_name or module_name)
-        except Exception:
-            return None
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _git(*args: str) -> str | None:
@@ -76,7 +74,7 @@ def capture(device: torch.device | str | None = None) -> dict:
         "cudnn": None,
         "torch": torch.__version__,
         "triton": _version("triton"),
-        "flash_attn": _version("flash_attn"),
+        "flash_attn": _version("flash_attn") or _version("flash-attn"),
         "flexlab": _flexlab_version(),
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": None,

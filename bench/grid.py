@@ -121,16 +121,16 @@ class ConfigError(ValueError):
 ANCHOR_VARIANTS = [
     "noop",
     "causal",
-    "alibi+causal",
-    "sliding_window(window=1024)+causal",
-    "prefix_lm(prefix=S//4)",
-    "document(num_docs=8)+causal",
-    "softcap(cap=30)+causal",
+    "alibi_causal",
+    "sliding_window(window_size=1024)",  # causal by definition
+    "prefix_lm(prefix_fraction=0.25)",  # batch element b: prefix (b + 1) / B · S/4
+    "document(num_documents=8)",  # causal within each document by default
+    "softcap_causal(softcap=30)",
 ]
 ANCHOR_PROVIDERS = ["flexlab", "torch_flex", "torch_flex_flash", "flash_attn", "sdpa_cudnn",
                     "sdpa_flash"]
 _ANCHOR_DECODE = {
-    "variants": ["noop", "alibi", "sliding_window(window=1024)"],
+    "variants": ["noop", "alibi", "sliding_window(window_size=1024)"],
     "shapes": [[8, 1, 8192], [8, 1, 65536]], "heads": [[32, 8]], "head_dim": [128],
     "dtype": ["bfloat16"], "passes": ["decode"],
 }
@@ -157,11 +157,17 @@ PRESETS: dict[str, dict] = {
     # CPU-sized: flexlab under Triton's interpreter against SDPA math, for CI (< 2 minutes).
     "tiny": {
         "providers": ["flexlab", "sdpa_math"],
-        "settings": {"cpu_reps": 3, "ref_slices": 0, "block_size": 32},
+        "settings": {"cpu_reps": 2, "ref_slices": 0},
         "groups": [
-            {"variants": ["causal", "alibi+causal", "sliding_window(window=48)+causal"],
-             "shapes": [[1, 128], [2, 64, 128]], "heads": [[4, 2]], "head_dim": [32],
+            # GQA (4 query heads on 2 KV heads) in both dtypes.
+            {"variants": ["causal", "alibi_causal", "sliding_window(window_size=48)"],
+             "shapes": [[1, 128]], "heads": [[4, 2]], "head_dim": [32],
              "dtype": ["float32", "bfloat16"], "passes": ["fwd", "fwd_bwd"]},
+            # Cross-attention lengths (Q != KV, neither a block multiple) with a batch of 2.
+            # relative_bias has a learnable table: its gradient is compared too.
+            {"variants": ["causal", "relative_bias(max_distance=16)"], "shapes": [[2, 48, 80]],
+             "heads": [2],
+             "head_dim": [16], "dtype": ["float32"], "passes": ["fwd", "fwd_bwd"]},
             {"variants": ["noop", "alibi"], "shapes": [[2, 1, 256]], "heads": [[4, 2]],
              "head_dim": [32], "dtype": ["float32"], "passes": ["decode"]},
         ],

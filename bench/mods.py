@@ -36,7 +36,8 @@ class Mods:
     label: str
     score_mod: Callable | None
     mask_mod: Callable | None
-    #: floating-point tensors the mods read; those with ``requires_grad`` get gradients compared
+    #: (name, tensor) of the floating-point tensors the mods read; those with ``requires_grad``
+    #: get their gradients compared on backward passes
     captured: tuple = ()
 
 
@@ -191,10 +192,11 @@ def _as_mods(obj, what: str) -> tuple[Callable | None, Callable | None, list | N
 
 
 def _captured_list(captured) -> list | None:
+    """[(name, tensor)] of a registry Mods' ``captured`` mapping (floating-point tensors only)."""
     if captured is None:
         return None
-    values = captured.values() if isinstance(captured, dict) or hasattr(captured, "values") else captured
-    return [t for t in values if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    items = captured.items() if hasattr(captured, "items") else enumerate(captured)
+    return [(str(k), t) for k, t in items if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 _FILE_CACHE: dict[tuple[str, float], Any] = {}
@@ -281,7 +283,9 @@ def resolve(spec: str, *, B: int, H: int, KV_HEADS: int, Q_LEN: int, KV_LEN: int
     scores, masks, captured = [], [], []
     for term in split_terms(spec):
         score, mask, cap = _resolve_term(term, context, device, dtype)
-        captured += cap if cap is not None else captured_tensors(score, mask)
+        if cap is None:
+            cap = [(f"cap{i}", t) for i, t in enumerate(captured_tensors(score, mask))]
+        captured += cap
         for fn, kind in ((score, "score_mod"), (mask, "mask_mod")):
             if fn is not None and not callable(fn):
                 raise VariantError(f"{term.name!r} gave a {kind} of type {type(fn).__name__}, not a function")
@@ -291,8 +295,15 @@ def resolve(spec: str, *, B: int, H: int, KV_HEADS: int, Q_LEN: int, KV_LEN: int
             masks.append(mask)
     score_mod = scores[0] if len(scores) == 1 else (_compose(scores) if scores else None)
     mask_mod = masks[0] if len(masks) == 1 else (and_masks(*masks) if masks else None)
-    unique = list({id(t): t for t in captured}.values())
-    return Mods(spec, score_mod, mask_mod, tuple(unique))
+    unique, names = {}, set()
+    for name, t in captured:
+        if id(t) in unique:
+            continue
+        while name in names:
+            name += "_"
+        names.add(name)
+        unique[id(t)] = (name, t)
+    return Mods(spec, score_mod, mask_mod, tuple(unique.values()))
 
 
 def _compose(score_mods: list[Callable]) -> Callable:

@@ -251,7 +251,22 @@ class SDPAProvider(Provider):
             targets = [mask]
             note += "; the timed backward also computes d(bias)"
 
+        repeat = False
+        if gqa:
+            # Some backends lack enable_gqa; repeating K/V inside the call still measures them.
+            first = ctx.inputs[0]
+            try:
+                with torch.no_grad():
+                    _sdpa(first.q, first.k, first.v, mask, is_causal, True, backend)
+            except Unsupported:
+                repeat = True
+                note += "; GQA by repeating K/V inside the call (no enable_gqa in this backend)"
+        group = c.q_heads // c.kv_heads
+
         def call(q, k, v):
+            if repeat:
+                k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+                return _sdpa(q, k, v, mask, is_causal, False, backend)
             return _sdpa(q, k, v, mask, is_causal, gqa, backend)
 
         return Prepared(call, _tensor_bytes(mask), note, grad_call, targets)

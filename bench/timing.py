@@ -48,10 +48,10 @@ def time_call(fn: Callable[[int], object], n_sets: int, device: torch.device, *,
 
     On CUDA: warm-up for ``warmup_ms``, then ``clamp(rep_ms / estimate, min_reps, max_reps)``
     repetitions, each between CUDA events and after flushing L2 (as triton.testing.do_bench does).
-    On the CPU: ``cpu_reps`` wall-clock repetitions after one warm-up call.
+    On the CPU: ``cpu_reps`` wall-clock repetitions, without warm-up (the runner's first call
+    already compiled, and the interpreter has no caches worth warming).
     """
     if device.type != "cuda":
-        fn(0)
         times = []
         for i in range(max(1, cpu_reps)):
             start = time.perf_counter()

@@ -20,7 +20,7 @@ import itertools
 import operator
 import traceback
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import Tensor
@@ -179,7 +179,9 @@ def _describe_args(args: tuple[Tensor, ...], names: tuple[str, ...]) -> str:
 
 def _call_mod(fn, args: tuple[Tensor, ...], kind: str) -> Tensor:
     """Call a user's mod, turning its failures into errors that name the mod and its line."""
-    names = ("score", "b", "h", "q_idx", "kv_idx") if kind == "score" else ("b", "h", "q_idx", "kv_idx")
+    names = ("b", "h", "q_idx", "kv_idx")
+    if kind == "score":
+        names = ("score",) + names
     try:
         return fn(*args)
     except FlexError:
@@ -331,20 +333,16 @@ def _classify_blocks_chunked(mask_mod: MaskMod, B: int, H: int, Q_LEN: int, KV_L
             mask = _evaluate_mask(mask_mod, "mask", tile.b, tile.h, tile.q, tile.kv, device)
             rows, cols = tile.q[1] - tile.q[0], tile.kv[1] - tile.kv[0]
             nq, nk = _cdiv(rows, tile.q_group), _cdiv(cols, tile.kv_group)
-            pad_r, pad_c = nq * tile.q_group - rows, nk * tile.kv_group - cols
-            if pad_r or pad_c:  # only the ragged last blocks; padding counts as "not kept"
-                mask = torch.nn.functional.pad(mask, (0, pad_c, 0, pad_r))
-            kept = mask.reshape(mask.shape[0], mask.shape[1], nq, tile.q_group, nk,
-                                tile.kv_group).sum(dim=(3, 5), dtype=torch.int32)
-            row_idx = torch.arange(nq, device=device)
-            col_idx = torch.arange(nk, device=device)
-            valid_rows = (rows - row_idx * tile.q_group).clamp(max=tile.q_group)
-            valid_cols = (cols - col_idx * tile.kv_group).clamp(max=tile.kv_group)
-            valid = (valid_rows[:, None] * valid_cols[None, :]).to(torch.int32)
+            pad = (0, nk * tile.kv_group - cols, 0, nq * tile.q_group - rows)
+            # Padding (only the ragged last blocks) is neutral: "not kept" for any, "kept" for all.
+            any_in, all_in = ((torch.nn.functional.pad(mask, pad, value=False),
+                               torch.nn.functional.pad(mask, pad, value=True))
+                              if any(pad) else (mask, mask))
+            blocks = (mask.shape[0], mask.shape[1], nq, tile.q_group, nk, tile.kv_group)
             qb0, kb0 = tile.q[0] // BQ, tile.kv[0] // BK
             index = (slice(*tile.b), slice(*tile.h), slice(qb0, qb0 + nq), slice(kb0, kb0 + nk))
-            any_kept[index] |= kept > 0
-            all_kept[index] &= kept == valid
+            any_kept[index] |= any_in.reshape(blocks).any(dim=(3, 5))
+            all_kept[index] &= all_in.reshape(blocks).all(dim=(3, 5))
     block_map = any_kept.to(torch.int8)
     block_map += all_kept
     return block_map
@@ -443,8 +441,9 @@ def _validate_listing(name: str, num: Tensor, indices: Tensor) -> None:
             if bool(problem.any()):
                 b, h, r, j = (int(i) for i in problem.nonzero()[0])
                 r += rows.start
-                raise InputError(f"{name}[{b}, {h}, {r}] lists {idx[b, h, r - rows.start].tolist()[:int(num[b, h, r])]}: "
-                                 f"the first {num_name}[{b}, {h}, {r}] entries {what}")
+                shown = indices[b, h, r, :int(num[b, h, r])].tolist()
+                raise InputError(f"{name}[{b}, {h}, {r}] lists {shown}: the first "
+                                 f"{num_name}[{b}, {h}, {r}] entries {what}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -512,9 +511,13 @@ class BlockMask:
     Example:
         >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, device="cpu",
         ...                        BLOCK_SIZE=64)
-        >>> bm.block_map()[0, 0]
-        tensor([[2, 0, 0, 0],
-                [1, 2, 0, 0], ...
+        >>> bm.block_map()[0, 0]      # diagonal blocks partial, below it full
+        tensor([[1, 0, 0, 0],
+                [2, 1, 0, 0],
+                [2, 2, 1, 0],
+                [2, 2, 2, 1]], dtype=torch.int8)
+        >>> bm.kv_num_blocks[0, 0], bm.full_kv_num_blocks[0, 0]
+        (tensor([1, 1, 1, 1], dtype=torch.int32), tensor([0, 1, 2, 3], dtype=torch.int32))
     """
 
     seq_lengths: tuple[int, int]
@@ -586,8 +589,9 @@ class BlockMask:
             if not isinstance(t, Tensor):
                 raise InputError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
             if not nd - 2 <= t.dim() <= nd:
-                raise InputError(f"{name} must have shape {'(B, H, Q_BLOCKS)' if nd == 3 else '(B, H, Q_BLOCKS, KV_BLOCKS)'}"
-                                 f" (leading B/H optional); got {tuple(t.shape)}")
+                dims = "(B, H, Q_BLOCKS)" if nd == 3 else "(B, H, Q_BLOCKS, KV_BLOCKS)"
+                raise InputError(f"{name} must have shape {dims} (leading B/H optional); got "
+                                 f"{tuple(t.shape)}")
             return t.reshape((1,) * (nd - t.dim()) + tuple(t.shape))
 
         if kv_num_blocks is None or kv_indices is None:
@@ -754,7 +758,8 @@ class BlockMask:
         else:
             max_rows, max_cols = grid_size
         if max_rows <= 0 or max_cols <= 0:
-            raise InputError(f"grid_size must be positive, -1, or a pair of positive ints; got {grid_size!r}")
+            raise InputError(f"grid_size must be a positive int, -1, or a pair of positive ints; "
+                             f"got {grid_size!r}")
         rs, cs = _cdiv(QB, max_rows), _cdiv(KB, max_cols)
         nr, nc = _cdiv(QB, rs), _cdiv(KB, cs)
         pad = (0, nc * cs - KB, 0, nr * rs - QB)
@@ -874,8 +879,26 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
     Q_LEN, KV_LEN = _positive_int(Q_LEN, "Q_LEN"), _positive_int(KV_LEN, "KV_LEN")
     block_size = _block_size_pair(BLOCK_SIZE)
     device = torch.device(device) if device is not None else default_device()
-    block_map = _classify_blocks_chunked(mask_mod, B, H, Q_LEN, KV_LEN, block_size, device)
+    block_map = None
+    if device.type == "cuda":
+        block_map = _classify_blocks_on_gpu(mask_mod, B, H, Q_LEN, KV_LEN, block_size, device)
+    if block_map is None:
+        block_map = _classify_blocks_chunked(mask_mod, B, H, Q_LEN, KV_LEN, block_size, device)
     return BlockMask._from_block_map(block_map, block_size, (Q_LEN, KV_LEN), mask_mod)
+
+
+def _classify_blocks_on_gpu(mask_mod, B, H, Q_LEN, KV_LEN, block_size, device) -> Tensor | None:
+    """The lowered mask_mod in a Triton kernel (memory: the block map alone); None if the mod
+    cannot be lowered, in which case the eager path evaluates it and reports any error."""
+    from flexcore.errors import ModError
+    from flexcore.kernels.block_classify import classify_blocks
+    from flexcore.lowering import lower_mask_mod
+
+    try:
+        lowered = lower_mask_mod(mask_mod)
+    except ModError:
+        return None
+    return classify_blocks(lowered, B, H, Q_LEN, KV_LEN, block_size, device)
 
 
 def create_mask(mod_fn: MaskMod | ScoreMod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,

@@ -40,8 +40,9 @@ def _check_inputs(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -
         raise InputError(f"query, key and value must be on one device; got {query.device}, "
                          f"{key.device}, {value.device}")
     B, Hq, _, D = query.shape
-    if key.shape[0] != B or value.shape[0] != B:
-        raise InputError(f"batch sizes differ: {shapes}")
+    if key.shape[0] != value.shape[0] or key.shape[0] not in (1, B):
+        raise InputError(f"batch sizes differ: {shapes}; key/value need query's batch size, or 1 "
+                         f"to share one key/value sequence across the batch")
     if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
         raise InputError(f"key and value must have the same heads and length: {shapes}")
     if key.shape[3] != D:
@@ -139,7 +140,8 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
     rows give output 0 and lse -inf.
 
     Args:
-        query: (B, Hq, L, D); key: (B, Hkv, S, D); value: (B, Hkv, S, Dv).
+        query: (B, Hq, L, D); key: (B, Hkv, S, D); value: (B, Hkv, S, Dv); key and value may
+            have batch 1 (shared by every query batch).
         score_mod: ``(score, b, h, q_idx, kv_idx) -> score``; ``h`` is the query head.
         block_mask: a :class:`BlockMask` covering (L, S), with B and H of 1 or the inputs'.
         scale: default 1/sqrt(D).
@@ -178,6 +180,8 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
     else:
         work_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
         out_dtype, lse_dtype = query.dtype, torch.float32
+    if key.shape[0] != B:
+        key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)
     if Hq != Hkv:
         key = key.repeat_interleave(Hq // Hkv, dim=1)
         value = value.repeat_interleave(Hq // Hkv, dim=1)

@@ -22,10 +22,10 @@ def generate_tanh_softcap(softcap: torch.Tensor):
     return tanh_softcap
 
 
-def head_temperatures(H: int, temperature_min: float, temperature_max: float,
+def head_temperatures(H: int, init_min: float, init_max: float,
                       device) -> torch.Tensor:
     """Learnable ``(H,)`` float32 temperatures, evenly spaced from min to max across heads."""
-    return torch.linspace(temperature_min, temperature_max, H, dtype=torch.float32).to(
+    return torch.linspace(init_min, init_max, H, dtype=torch.float32).to(
         device).requires_grad_()
 
 
@@ -65,8 +65,8 @@ def _gemma2_local(shape, softcap, window_size):
                 captured={"softcap": cap})
 
 
-def _temperature(shape, temperature_min, temperature_max):
-    temperature = head_temperatures(shape.H, temperature_min, temperature_max, shape.device)
+def _temperature(shape, init_min, init_max):
+    temperature = head_temperatures(shape.H, init_min, init_max, shape.device)
     return Mods(score_mod=generate_head_temperature(temperature),
                 captured={"temperature": temperature})
 
@@ -134,16 +134,16 @@ VARIANTS = (
         reference=Reference("Swin Transformer V2: Scaling Up Capacity and Resolution",
                             arxiv="2111.09883"),
         kind="score",
-        params=(Param("temperature_min", "float", 0.5, "temperature of head 0", low=0.01,
+        params=(Param("init_min", "float", 0.5, "initial temperature of head 0", low=0.01,
                       high=100.0),
-                Param("temperature_max", "float", 2.0, "temperature of the last head",
+                Param("init_max", "float", 2.0, "initial temperature of the last head",
                       low=0.01, high=100.0)),
         build=_temperature,
         recipe="""
-            temperature = head_temperatures(H, {temperature_min}, {temperature_max}, device)
+            temperature = head_temperatures(H, {init_min}, {init_max}, device)
             score_mod = generate_head_temperature(temperature)
         """,
         helpers=(head_temperatures, generate_head_temperature),
-        example={"temperature_min": 0.05, "temperature_max": 0.3},
+        example={"init_min": 0.05, "init_max": 0.3},
     ),
 )

@@ -94,7 +94,7 @@ VARIANTS = (
         build=_natten,
         recipe="mask_mod = generate_natten_mask({image_height}, {image_width}, {kernel_size})",
         helpers=(generate_natten_mask,),
-        example={"image_height": 10, "image_width": 12, "kernel_size": 5},
+        example={"image_height": 11, "image_width": 12, "kernel_size": 5},
     ),
     Variant(
         name="flamingo",

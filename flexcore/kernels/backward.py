@@ -116,7 +116,7 @@ def backward(q, k, v, out, lse, grad_out, score_lowered, score_bwd_lowered, mask
     itemsize = q.element_size()
     (bm1, bn1, meta1), (bm2, bn2, meta2) = _tiles(
         opts, max(head_dim_pad, head_dim_v_pad), itemsize, sparse_q, sparse_kv)
-    upcast = use_interpreter() and q.dtype != torch.float32
+    upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
     common = dict(HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
                   SPARSE_Q_BLOCK=sparse_q, SPARSE_KV_BLOCK=sparse_kv,
@@ -125,11 +125,15 @@ def backward(q, k, v, out, lse, grad_out, score_lowered, score_bwd_lowered, mask
                   SCORE_IS_TRIVIAL=score_lowered.is_trivial, FIXED_POINT_GRADS=opts.deterministic,
                   UPCAST_DOT=upcast, INPUT_PRECISION=precision)
 
-    delta = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device)
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    import triton.language as tl  # after load_module: the interpreter is set up by then
+
+    common["ACC_DTYPE"] = tl.float64 if acc_dtype == torch.float64 else tl.float32
+    delta = torch.empty((B, Hq, L), dtype=acc_dtype, device=q.device)
     pre_m = 64
     module.flex_bwd_preprocess[(math.ceil(L / pre_m), B * Hq)](
         out, grad_out, delta, *out.stride(), *grad_out.stride(), L, Hq,
-        HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_M=pre_m)
+        HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_M=pre_m, ACC_DTYPE=common["ACC_DTYPE"])
 
     captured = list(score_lowered.captured)
     grad_buffers = {}

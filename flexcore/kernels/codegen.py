@@ -45,13 +45,10 @@ def read_template(name: str) -> str:
 
 
 def fill_template(template: str, values: dict[str, str]) -> str:
-    """Replace each ``{{NAME}}`` in ``template``; an unknown or leftover placeholder is an error."""
+    """Replace each ``{{NAME}}`` in ``template``; a placeholder left unfilled is an error."""
     out = template
     for name, value in values.items():
-        marker = "{{" + name + "}}"
-        if marker not in out:
-            raise KeyError(f"template has no placeholder {marker}")
-        out = out.replace(marker, value)
+        out = out.replace("{{" + name + "}}", value)
     if "{{" in out:
         start = out.index("{{")
         raise KeyError(f"template placeholder left unfilled: {out[start:out.index('}}', start) + 2]}")

@@ -16,8 +16,8 @@ from flexcore.options import KernelOptions
 _LOG2E = 1.4426950408889634
 #: Most rows (query heads x query positions) one program packs into its tile.
 MAX_TILE_ROWS = 64
-#: Programs per SM the split count aims at: several in flight per SM hide memory latency.
-_PROGRAMS_PER_SM = 4
+#: Most key splits per tile (the reduction holds NUM_SPLITS x Dv partials in one program).
+MAX_SPLITS = 64
 #: Without a GPU (interpreter) the split count only needs to exercise the reduction.
 _INTERPRETER_SPLITS = 3
 
@@ -63,8 +63,7 @@ def plan_decode(B: int, Hq: int, Hkv: int, L: int, S: int, blocks: BlockTensors,
         q_per_tile = _largest_pow2_divisor(sparse_q, MAX_TILE_ROWS)
     heads = 1
     if _heads_share_blocks(blocks):
-        heads = max(d for d in range(1, group + 1) if group % d == 0 and d * q_per_tile <= max(
-            MAX_TILE_ROWS, q_per_tile))
+        heads = max(d for d in range(1, group + 1) if group % d == 0 and d * q_per_tile <= MAX_TILE_ROWS)
     q_chunks = math.ceil(L / q_per_tile)
     block_m = max(16, 1 << (heads * q_per_tile - 1).bit_length())
     kv_blocks = math.ceil(S / sparse_kv)
@@ -73,16 +72,43 @@ def plan_decode(B: int, Hq: int, Hkv: int, L: int, S: int, blocks: BlockTensors,
             num_splits = _INTERPRETER_SPLITS
         else:
             tiles = B * Hkv * (group // heads) * q_chunks
-            num_splits = math.ceil(_PROGRAMS_PER_SM * _sm_count(device.index or 0) / tiles)
-    elif not isinstance(num_splits, int) or num_splits < 1:
+            num_splits = choose_num_splits(tiles, min(kv_blocks, MAX_SPLITS), _sm_count(device.index or 0))
+    elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise InputError(f"num_splits = {num_splits!r}: expected a positive int")
     num_splits = max(1, min(num_splits, kv_blocks))
     return DecodePlan(heads, q_per_tile, q_chunks, block_m, num_splits)
 
 
+def choose_num_splits(tiles: int, max_splits: int, sms: int) -> int:
+    """Key splits per tile so that ``tiles * splits`` programs keep every SM streaming the cache.
+
+    The kernel is bandwidth-bound and its programs are equal in size, so the time is about
+    ``ceil(tiles * s / sms)`` rounds of ``1 / s`` of a tile's work. Among the splits within 5% of the
+    best, take the first that puts about two programs on every SM (more loads in flight per SM),
+    else the cheapest; fewer splits mean fewer partial results to merge.
+    """
+    costs = {s: math.ceil(tiles * s / sms) / s for s in range(1, max(1, max_splits) + 1)}
+    best = min(costs.values())
+    near = [s for s, c in costs.items() if c <= 1.05 * best]
+    for s in near:
+        if tiles * s >= 1.9 * sms:
+            return s
+    return min(near, key=lambda s: (costs[s], s))
+
+
 # (BLOCK_N, num_warps, num_stages) candidates on the GPU; the first is the default without autotune.
 _GPU_CONFIGS = [(64, 4, 3), (64, 2, 3), (128, 4, 3), (128, 8, 2), (32, 2, 4), (64, 4, 1)]
 _autotuners: dict = {}
+# Generated modules by the mods' keys: skips rebuilding and hashing the source on every step.
+_modules: dict = {}
+
+
+def _module(score_lowered, mask_lowered):
+    key = (score_lowered.key, mask_lowered.key)
+    module = _modules.get(key)
+    if module is None:
+        module = _modules[key] = load_kernel_module("decode.py.tmpl", score_lowered, mask_lowered)
+    return module
 
 
 def _launcher(module, sparse_kv: int, head_dim_pad: int, itemsize: int, opts: KernelOptions):
@@ -109,10 +135,10 @@ def _launcher(module, sparse_kv: int, head_dim_pad: int, itemsize: int, opts: Ke
     key = (module.__name__, sparse_kv, head_dim_pad, itemsize, opts.num_warps, opts.num_stages)
     tuner = _autotuners.get(key)
     if tuner is None:
-        # KV_LEN and NUM_SPLITS key the choice: the best tile depends on how long each split runs.
+        # The best tile depends on how long each split runs: keyed on a power-of-two size class.
         tuner = triton.autotune(
             configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in configs],
-            key=["KV_LEN", "NUM_SPLITS", "Q_LEN"])(kernel)
+            key=["TUNE_BUCKET", "NUM_SPLITS", "Q_LEN"])(kernel)
         _autotuners[key] = tuner
     return tuner, {}
 
@@ -148,7 +174,7 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
     k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)  # batch 1 -> stride 0
     sparse_q, sparse_kv = blocks.sparse_block
     plan = plan_decode(B, Hq, Hkv, L, S, blocks, q.device, num_splits)
-    module = load_kernel_module("decode.py.tmpl", score_lowered, mask_lowered)
+    module = _module(score_lowered, mask_lowered)
     head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
     kernel, meta = _launcher(module, sparse_kv, max(head_dim_pad, head_dim_v_pad), q.element_size(), opts)
 
@@ -172,7 +198,8 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
         blocks.num_blocks, blocks.indices, full_n, full_i,
         *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
         *full_n.stride(), *full_i.stride()[:3],
-        L, S, Hq, Hkv, plan.q_chunks, plan.num_splits, scale, scale * _LOG2E,
+        L, S, Hq, Hkv, plan.q_chunks, plan.num_splits, math.ceil(S / sparse_kv).bit_length(),
+        scale, scale * _LOG2E,
         *score_lowered.kernel_args(), *mask_lowered.kernel_args(),
         GQA_GROUP=Hq // Hkv, HEADS_PER_TILE=plan.heads_per_tile, Q_PER_TILE=plan.q_per_tile,
         HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,

@@ -68,10 +68,16 @@ _TRIVIAL = {
 }
 
 
+_trivial_mods: dict[str, LoweredMod] = {}
+
+
 def _lower(fn, kind: str) -> LoweredMod:
     global trace_count
     if fn is None:
-        return _make(kind, _TRIVIAL[kind], (), (), True, "identity" if kind == "score" else "noop")
+        if kind not in _trivial_mods:
+            _trivial_mods[kind] = _make(kind, _TRIVIAL[kind], (), (), True,
+                                        "identity" if kind == "score" else "noop")
+        return _trivial_mods[kind]
     guard = guard_key(fn)
     if guard is not None:
         cache_key = (kind, guard[0])

@@ -80,8 +80,13 @@ def _convert_const(value, dtype: torch.dtype):
     return int(value)  # float -> int truncates toward zero, as torch does
 
 
-class UnsupportedValue(Exception):
-    pass
+def cast_expr(expr: str, dtype: torch.dtype) -> str:
+    """Cast with torch's semantics: nonzero -> True, round-to-nearest-even to bfloat16."""
+    if dtype == torch.bool:
+        return f"({expr} != 0)"
+    if dtype == torch.bfloat16:
+        return f"fl_to_bfloat16({expr})"
+    return f"{expr}.to({_TL[dtype]})"
 
 
 class ModCodegen:
@@ -146,9 +151,7 @@ class ModCodegen:
             return literal(_convert_const(v.const, dtype), dtype)
         if v.dtype == dtype:
             return v.expr
-        if dtype == torch.bool:
-            return f"({v.expr} != 0)"
-        return f"{v.expr}.to({_TL[dtype]})"
+        return cast_expr(v.expr, dtype)
 
     def _capture(self, tensor: torch.Tensor) -> int:
         key = id(tensor)
@@ -207,6 +210,11 @@ class ModCodegen:
             deps |= idx.deps
             if idx.const is not None:
                 c = int(idx.const)
+                if not -view.shape[d] <= c < view.shape[d]:
+                    raise self._error(
+                        ModError, f"index {c} is out of range for dimension {d} (size "
+                        f"{view.shape[d]}) of a captured tensor of shape {view.shape}",
+                        node=view.node)
                 if c < 0:
                     c += view.shape[d]
                 if c:
@@ -334,7 +342,7 @@ class ModCodegen:
     def _finish_op(self, expr: str, compute: torch.dtype, out: torch.dtype, deps,
                    nonneg: bool = False) -> Val:
         if compute != out:
-            expr = f"({expr}).to({_TL[out]})" if out != torch.bool else f"(({expr}) != 0)"
+            expr = cast_expr(f"({expr})", out)
         return self._result(expr, out, deps, nonneg)
 
     # arithmetic ------------------------------------------------------------

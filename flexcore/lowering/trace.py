@@ -82,14 +82,21 @@ def definition_location(fn) -> Location:
     return Location(code.co_filename, code.co_firstlineno)
 
 
+_TORCH_C_MODULES = {"torch._C._special": "torch.special", "torch._C._nn": "torch.nn.functional",
+                    "torch._C._linalg": "torch.linalg", "torch._C._fft": "torch.fft"}
+
+
 def func_display_name(func) -> str:
-    """``torch.sin`` / ``Tensor.sin`` for a torch function seen by a TorchFunctionMode."""
+    """``torch.sin`` / ``Tensor.sin`` / ``torch.special.erfinv`` for a torch function."""
     name = getattr(func, "__name__", None) or repr(func)
-    qual = getattr(func, "__qualname__", "") or ""
-    if qual.startswith(("TensorBase.", "Tensor.")) or "method" in type(func).__name__:
+    if getattr(torch.Tensor, name, None) is func or getattr(torch._C.TensorBase, name, None) is func:
         return f"Tensor.{name}"
     module = getattr(func, "__module__", None) or "torch"
-    if module.startswith("torch._C"):
+    if module in _TORCH_C_MODULES:
+        module = _TORCH_C_MODULES[module]
+        short = module.rsplit(".", 1)[-1] + "_"
+        name = name[len(short):] if name.startswith(short) else name
+    elif module.startswith("torch._C") or module.startswith("torch._tensor"):
         module = "torch"
     return f"{module}.{name}"
 
@@ -201,27 +208,44 @@ def check_signature(fn, kind: str) -> None:
 
 
 def _normalize_return(fn, kind: str, out):
-    name = mod_name(fn)
-    loc = definition_location(fn)
-    if kind == "mask":
-        if isinstance(out, bool):
-            return torch.full((), out, dtype=torch.bool)
-        if isinstance(out, torch.Tensor) and out.dtype == torch.bool:
-            return out
-        got = f"a {out.dtype} tensor" if isinstance(out, torch.Tensor) else f"{type(out).__name__}"
-        raise _TraceError(ModReturnError(
-            f"a mask_mod must return a bool tensor (True keeps the position), but it returned {got}; "
-            "return a comparison such as q_idx >= kv_idx, or cast with .bool().",
-            mod_name=name, filename=loc.filename, lineno=loc.lineno))
-    if isinstance(out, (int, float)) and not isinstance(out, bool):
-        return torch.full((), float(out), dtype=torch.float32)
-    if isinstance(out, torch.Tensor) and out.dtype != torch.bool and not out.is_complex():
+    """Python bools (mask) and numbers (score) become 0-d tensors; other non-tensors are errors."""
+    if isinstance(out, torch.Tensor):
         return out
-    got = f"a {out.dtype} tensor" if isinstance(out, torch.Tensor) else f"{type(out).__name__}"
+    if kind == "mask" and isinstance(out, bool):
+        return torch.full((), out, dtype=torch.bool)
+    if kind == "score" and isinstance(out, (int, float)) and not isinstance(out, bool):
+        return torch.full((), float(out), dtype=torch.float32)
+    loc = definition_location(fn)
     raise _TraceError(ModReturnError(
-        f"a score_mod must return a float tensor (the modified score), but it returned {got}; "
-        "use a mask_mod for boolean masks, or torch.where(cond, score, float('-inf')).",
-        mod_name=name, filename=loc.filename, lineno=loc.lineno))
+        _return_message(kind, type(out).__name__), mod_name=mod_name(fn), filename=loc.filename,
+        lineno=loc.lineno))
+
+
+def _return_message(kind: str, got: str) -> str:
+    if kind == "mask":
+        return (f"a mask_mod must return a bool tensor (True keeps the position), but it returned "
+                f"{got}; return a comparison such as q_idx >= kv_idx, or cast with .bool().")
+    return (f"a score_mod must return a float tensor (the modified score), but it returned {got}; "
+            "use a mask_mod for boolean masks, or torch.where(cond, score, float('-inf')).")
+
+
+def _check_output(gm: GraphModule, fn, kind: str) -> None:
+    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
+    if val is None:
+        return
+    flex_loc = out.meta.get("flex_loc")
+    loc = Location(*flex_loc[:2]) if flex_loc and flex_loc[1] else definition_location(fn)
+    wrong_dtype = (val.dtype != torch.bool) if kind == "mask" else (
+        val.dtype == torch.bool or val.is_complex())
+    if wrong_dtype:
+        raise ModReturnError(_return_message(kind, f"a {val.dtype} tensor"), mod_name=mod_name(fn),
+                             filename=loc.filename, lineno=loc.lineno)
+    if val.dim() != 0:
+        raise ModReturnError(
+            f"the {kind}_mod returns a tensor of shape {tuple(val.shape)} for one position; it "
+            "must return a single value (index every dimension of captured tensors).",
+            mod_name=mod_name(fn), filename=loc.filename, lineno=loc.lineno)
 
 
 def trace_mod(fn, kind: str) -> GraphModule:
@@ -264,12 +288,5 @@ def trace_mod(fn, kind: str) -> GraphModule:
                 mod_name=name, filename=loc.filename, lineno=loc.lineno) from e
         raise ModError(f"{type(e).__name__} while tracing the mod: {e}", mod_name=name,
                        filename=loc.filename, lineno=loc.lineno) from e
-    out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
-    val = out.meta.get("val") if isinstance(out, torch.fx.Node) else None
-    if val is not None and val.dim() != 0:
-        loc = definition_location(fn)
-        raise ModReturnError(
-            f"the {kind}_mod returns a tensor of shape {tuple(val.shape)} for one position; it must "
-            "return a single value (index every dimension of captured tensors).",
-            mod_name=name, filename=loc.filename, lineno=loc.lineno)
+    _check_output(gm, fn, kind)
     return gm

@@ -5,12 +5,20 @@ Imported only by generated kernel modules (after ``prepare_triton()``), never by
 Integer ``//`` and ``%`` in Triton truncate toward zero and float ``%`` is C's ``fmod``; torch's
 ``floor_divide`` and ``remainder`` round toward negative infinity, so the helpers correct the sign.
 """
+import os
+
 import triton
 import triton.language as tl
 
+# libdevice's tanh/expm1/log1p are exact and fast on GPUs but fail under the interpreter, which
+# gets portable versions instead (same results to a few ulp).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not _INTERPRET:
+    from triton.language.extra import libdevice
+
 __all__ = ["fl_div_trunc_int", "fl_div_floor_int", "fl_remainder_int", "fl_div_floor_float",
            "fl_remainder_float", "fl_trunc", "fl_round_half_even", "fl_expm1", "fl_log1p",
-           "fl_tanh", "fl_sign", "fl_pow_float", "fl_pow_int"]
+           "fl_tanh", "fl_sign", "fl_pow_float", "fl_pow_int", "fl_to_bfloat16"]
 
 
 @triton.jit
@@ -66,7 +74,7 @@ def fl_round_half_even(x):
 
 
 @triton.jit
-def fl_expm1(x):
+def _expm1_portable(x):
     # Kahan: (u - 1) * x / log(u) is accurate near 0 where exp(x) - 1 cancels.
     u = tl.exp(x)
     um1 = u - 1.0
@@ -78,7 +86,7 @@ def fl_expm1(x):
 
 
 @triton.jit
-def fl_log1p(x):
+def _log1p_portable(x):
     # Goldberg: log(u) * x / (u - 1) with u = 1 + x recovers the bits lost in 1 + x.
     u = 1.0 + x
     um1 = u - 1.0
@@ -89,11 +97,37 @@ def fl_log1p(x):
 
 
 @triton.jit
-def fl_tanh(x):
+def _tanh_portable(x):
     # tanh(|x|) = -expm1(-2|x|) / (2 + expm1(-2|x|)); libdevice tanh fails under the interpreter.
-    e = fl_expm1(-2.0 * tl.abs(x))
+    e = _expm1_portable(-2.0 * tl.abs(x))
     t = -e / (2.0 + e)
     return tl.where(x < 0, -t, t)
+
+
+if _INTERPRET:
+    @triton.jit
+    def fl_expm1(x):
+        return _expm1_portable(x)
+
+    @triton.jit
+    def fl_log1p(x):
+        return _log1p_portable(x)
+
+    @triton.jit
+    def fl_tanh(x):
+        return _tanh_portable(x)
+else:
+    @triton.jit
+    def fl_expm1(x):
+        return libdevice.expm1(x)
+
+    @triton.jit
+    def fl_log1p(x):
+        return libdevice.log1p(x)
+
+    @triton.jit
+    def fl_tanh(x):
+        return libdevice.tanh(x)
 
 
 @triton.jit
@@ -104,6 +138,7 @@ def fl_sign(x):
 @triton.jit
 def fl_pow_float(x, y):
     # x ** y via exp2(y * log2|x|), with torch's rules for negative bases and signed zeros.
+    y = y + x * 0.0  # a literal exponent becomes a tensor of x's type
     ax = tl.abs(x)
     r = tl.exp2(y * tl.log2(tl.where(ax == 0, 1.0, ax)))
     y_int = tl.floor(y) == y
@@ -131,3 +166,14 @@ def fl_pow_int(x, y):
         base = base * base
         e = e >> 1
     return result
+
+
+@triton.jit
+def fl_to_bfloat16(x):
+    # Round to nearest even explicitly: the interpreter's float32 -> bfloat16 cast truncates.
+    x = x.to(tl.float32)
+    bits = x.to(tl.uint32, bitcast=True)
+    lsb = (bits >> 16) & 1
+    rounded = ((bits + 0x7FFF + lsb) >> 16) << 16
+    r = tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+    return r.to(tl.bfloat16)

@@ -207,3 +207,11 @@ def test_bad_input_names_the_argument(case):
         kwargs["score_mod"], match = 3.0, "score_mod must be callable"
     with pytest.raises((InputError, ValueError, TypeError), match=match):
         flex_attention(q, k, v, **kwargs)
+
+
+def test_negative_scale():
+    # The trivial-score path folds the scale into the row max; a negative scale must not use it.
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 2, 50, 32, generator=gen) for _ in range(3))
+    out = flex_attention(q, k, v, scale=-0.25)
+    assert rel_err(out, flex_attention_reference(q, k, v, scale=-0.25)) < 1e-5

@@ -1,0 +1,21 @@
+"""The code the Playground starts with."""
+
+TEMPLATE = '''\
+# Write a score_mod and/or a mask_mod in plain PyTorch; tensors they read are captured.
+# B, H (query heads), HKV, Q_LEN, KV_LEN, D and device come from the shape controls.
+import torch
+
+WINDOW = 48
+# ALiBi slopes, one per query head; requires_grad makes Gradients compare d(slopes) too.
+slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device=device) / H).requires_grad_()
+
+
+def score_mod(score, b, h, q_idx, kv_idx):
+    return score - slopes[h] * (q_idx - kv_idx).abs()
+
+
+def mask_mod(b, h, q_idx, kv_idx):
+    causal = q_idx >= kv_idx
+    in_window = q_idx - kv_idx < WINDOW
+    return causal & in_window
+'''

@@ -1,0 +1,207 @@
+"""Command line: ``python -m bench run|report|summary|list-presets|list-providers``.
+
+Examples:
+    python -m bench run --config tiny --out results/tiny
+    python -m bench run --config anchors --out results/anchors --max-minutes 8 --resume
+    python -m bench run --variants causal,alibi+causal --seq 1024 --heads 8 --head-dim 64 \\
+        --dtype bf16 --passes fwd --providers flexlab,sdpa_math
+    python -m bench report results/anchors --out reports/anchors
+    python -m bench report results/h100 results/h200 --out reports/compare
+    python -m bench summary results/anchors
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _csv(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def _ints(text: str | None) -> list[int] | None:
+    items = _csv(text)
+    return None if items is None else [int(t) for t in items]
+
+
+def _variants(text: str | None) -> list[str] | None:
+    """Comma-separated specs; commas inside parentheses belong to the parameters."""
+    if text is None:
+        return None
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur.strip())
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("run", help="run a benchmark grid and write long-form results")
+    r.add_argument("--config", help="preset name (tiny, anchors, anchors-d64) or a .toml/.yaml/.json file; "
+                                    "default: a single group from the grid flags")
+    r.add_argument("--out", help="output folder (default results/<config name>)")
+    r.add_argument("--resume", action="store_true", help="continue a run in --out, skipping finished cases")
+    r.add_argument("--force", action="store_true", help="replace a previous run in --out")
+    r.add_argument("--variants", help="comma-separated variant specs (registry names, a+b, name(k=v), mods.py)")
+    r.add_argument("--providers", help="comma-separated providers (see list-providers)")
+    r.add_argument("--passes", help="comma-separated: fwd, fwd_bwd, decode")
+    r.add_argument("--dtype", help="comma-separated: float32/fp32, bfloat16/bf16, float16/fp16")
+    r.add_argument("--batch", help="comma-separated batch sizes")
+    r.add_argument("--seq", help="comma-separated sequence lengths (Q_LEN = KV_LEN)")
+    r.add_argument("--q-len", help="comma-separated query lengths")
+    r.add_argument("--kv-len", help="comma-separated key lengths")
+    r.add_argument("--heads", help="comma-separated query head counts")
+    r.add_argument("--kv-heads", help="comma-separated KV head counts (GQA)")
+    r.add_argument("--head-dim", help="comma-separated head dims")
+    r.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    r.add_argument("--max-minutes", type=float, help="stop starting cases after this long (resume later)")
+    r.add_argument("--rep-ms", type=float, help="GPU timing budget per provider and case")
+    r.add_argument("--ref-slices", type=int, help="(batch, kv-head) slices checked against float64 (0: all)")
+    r.add_argument("--mask-budget-gb", type=float, help="largest dense mask/bias for SDPA, GiB")
+    r.add_argument("--seed", type=int)
+    r.add_argument("--no-progress", action="store_true", help="log one line per case instead of a bar")
+
+    p = sub.add_parser("report", help="write HTML, markdown, PNG and CSV reports of one or more runs")
+    p.add_argument("results", nargs="+", help="results.json / results.csv files or run folders")
+    p.add_argument("--out", required=True, help="report folder")
+    p.add_argument("--force", action="store_true", help="overwrite an existing report folder")
+    p.add_argument("--labels", help="comma-separated names of the runs (default: GPU @ commit)")
+    p.add_argument("--baseline", help="provider the speed-ups are relative to (default: torch_flex, "
+                                      "else the first of sdpa_cudnn, sdpa_flash, sdpa_math present)")
+
+    sm = sub.add_parser("summary", help="print the summary table (markdown) of one or more runs")
+    sm.add_argument("results", nargs="+", help="results.json / results.csv files or run folders")
+    sm.add_argument("--labels", help="comma-separated names of the runs")
+
+    sub.add_parser("list-presets", help="show the named grids")
+    lp = sub.add_parser("list-providers", help="show which providers run on this machine")
+    lp.add_argument("--device")
+    return parser
+
+
+def _run(args) -> int:
+    import torch
+
+    from bench import grid as grid_mod
+    from bench import runner
+
+    overrides = {}
+    if args.batch:
+        overrides["batch"] = _ints(args.batch)
+    if args.seq:
+        overrides["seq"] = _ints(args.seq)
+    if args.q_len:
+        overrides["q_len"] = _ints(args.q_len)
+    if args.kv_len:
+        overrides["kv_len"] = _ints(args.kv_len)
+    if args.heads:
+        overrides["heads"] = _ints(args.heads)
+    if args.kv_heads:
+        overrides["kv_heads"] = _ints(args.kv_heads)
+    if args.head_dim:
+        overrides["head_dim"] = _ints(args.head_dim)
+    settings = {k: v for k, v in (("max_minutes", args.max_minutes), ("rep_ms", args.rep_ms),
+                                  ("ref_slices", args.ref_slices), ("mask_budget_gb", args.mask_budget_gb),
+                                  ("seed", args.seed)) if v is not None}
+    if args.config:
+        config = grid_mod.load_config(args.config)
+        name = Path(args.config).stem if args.config not in grid_mod.PRESETS else args.config
+    else:
+        if not args.variants:
+            raise grid_mod.ConfigError("give --config (a preset or file) or at least --variants")
+        config = {"groups": [{"variants": ["noop"], "batch": [1], "seq": [1024], "heads": [8],
+                              "head_dim": [64], "dtype": ["bfloat16"], "passes": ["fwd"]}],
+                  "providers": ["flexlab", "torch_flex", "sdpa_math", "sdpa_flash", "sdpa_cudnn"]}
+        name = "custom"
+        # Without a config the flags define the grid; with one they filter it.
+        if args.passes:
+            overrides["passes"] = _csv(args.passes)
+        if args.dtype:
+            overrides["dtype"] = _csv(args.dtype)
+    grid = grid_mod.build_grid(config, name, variants=_variants(args.variants),
+                               passes=_csv(args.passes) if args.config else None,
+                               providers=_csv(args.providers),
+                               dtypes=_csv(args.dtype) if args.config else None,
+                               overrides=overrides or None, settings=settings)
+    if not grid.cases:
+        raise grid_mod.ConfigError("the grid has no cases after the --passes/--dtype filters")
+    if args.providers:
+        from bench.providers import PROVIDERS
+
+        unknown = [p for p in grid.providers if p not in PROVIDERS]
+        if unknown:
+            raise grid_mod.ConfigError(f"unknown provider(s) {unknown}; known: {', '.join(PROVIDERS)}")
+    out = Path(args.out or Path("results") / grid.name)
+    device = torch.device(args.device) if args.device else None
+    print(f"{len(grid.cases)} cases × {len(grid.providers)} providers -> {out}", file=sys.stderr)
+    path = runner.run(grid, out, device=device, resume=args.resume, force=args.force,
+                      progress=not args.no_progress)
+    print(path)
+    return 0
+
+
+def _report(args) -> int:
+    from bench import report
+
+    paths = report.write_report(args.results, args.out, force=args.force, labels=_csv(args.labels),
+                                baseline=args.baseline)
+    for path in paths:
+        print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from bench.grid import ConfigError
+    from bench.mods import VariantError
+    from bench.report import ReportExistsError
+    from bench.runner import RunDirError
+
+    try:
+        if args.command == "run":
+            return _run(args)
+        if args.command == "report":
+            return _report(args)
+        if args.command == "summary":
+            from bench.report import print_summary
+
+            print_summary(args.results, _csv(args.labels))
+            return 0
+        if args.command == "list-presets":
+            from bench.grid import PRESET_HELP, build_grid, load_config
+
+            for name in sorted(PRESET_HELP):
+                grid = build_grid(load_config(name), name)
+                print(f"{name:12s} {len(grid.cases):4d} cases  {PRESET_HELP[name]}")
+            return 0
+        if args.command == "list-providers":
+            import torch
+
+            from bench.providers import PROVIDERS, availability
+            from bench.runner import default_device
+
+            device = torch.device(args.device) if args.device else default_device()
+            for name, (ok, why) in availability(device).items():
+                print(f"{name:18s} {'yes' if ok else 'no ':3s} {why}  [{PROVIDERS[name].description}]")
+            return 0
+    except (ConfigError, VariantError, RunDirError, ReportExistsError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

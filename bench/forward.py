@@ -1,0 +1,44 @@
+"""Forward-pass benchmark on the ANCHORS.md grid: flexcore against torch flex (compiled, Triton) and SDPA.
+
+A thin entry over the runner: the ``anchors`` preset restricted to the forward pass (and decoding,
+with ``--decode``), providers flexlab, torch_flex, sdpa_flash and sdpa_cudnn. Writes results.json /
+results.csv into ``--out`` and prints the summary table.
+
+Example:
+    python -m bench.forward --out results/forward
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+PROVIDERS = ["flexlab", "torch_flex", "sdpa_flash", "sdpa_cudnn"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.forward", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="results/forward", help="output folder")
+    parser.add_argument("--resume", action="store_true", help="continue an interrupted run")
+    parser.add_argument("--force", action="store_true", help="replace a previous run in --out")
+    parser.add_argument("--decode", action="store_true", help="also run the decode rows")
+    parser.add_argument("--variants", help="comma-separated subset of the anchor variants")
+    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--max-minutes", type=float, default=0.0)
+    args = parser.parse_args(argv)
+
+    from bench import runner
+    from bench.__main__ import _csv, _variants
+    from bench.grid import build_grid, load_config
+    from bench.report import print_summary
+
+    passes = ["fwd", "decode"] if args.decode else ["fwd"]
+    grid = build_grid(load_config("anchors"), "anchors-forward", variants=_variants(args.variants),
+                      passes=passes, providers=_csv(args.providers),
+                      settings={"max_minutes": args.max_minutes})
+    path = runner.run(grid, args.out, resume=args.resume, force=args.force)
+    print_summary(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

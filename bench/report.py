@@ -1,0 +1,486 @@
+"""Reports of benchmark results: offline HTML, markdown summary, PNG figures and the CSV.
+
+``python -m bench report RESULTS [RESULTS ...] --out DIR`` writes into DIR:
+
+- ``report.html``: self-contained (plotly's JavaScript inlined, no network): speed-up bars per
+  variant, TFLOP/s against sequence length, the summary, error and status tables, the environments.
+  Without plotly the same page embeds the matplotlib PNGs instead.
+- ``summary.md``: the summary table (TFLOP/s and median ms per provider) and the error table.
+- ``figures/*.png``: matplotlib figures.
+- ``results.csv``: every row of every input, with a ``source`` column naming its run.
+
+Several inputs (two GPUs, two commits) are compared side by side: each is a ``source``.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import os
+import shutil
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import env as env_mod
+from bench.runner import COLUMNS, load_results
+
+PASS_LABELS = {"fwd": "forward", "fwd_bwd": "forward+backward", "decode": "decode"}
+_BASELINE_ORDER = ("torch_flex", "sdpa_cudnn", "sdpa_flash", "sdpa_math")
+
+
+class ReportExistsError(FileExistsError):
+    """The report folder exists; pass --force to overwrite it."""
+
+
+@dataclass
+class Source:
+    label: str
+    path: str
+    envs: list
+    rows: list
+
+
+@dataclass
+class Cell:
+    """A (source, case, provider): its metrics and status."""
+
+    metrics: dict
+    status: str
+    note: str
+
+
+def load_sources(paths, labels=None) -> list[Source]:
+    sources = []
+    for i, path in enumerate(paths):
+        data = load_results(path)
+        envs = data.get("envs") or []
+        label = labels[i] if labels and i < len(labels) else (
+            env_mod.label(envs[-1]) if envs else Path(path).stem)
+        sources.append(Source(label, str(path), envs, data["rows"]))
+    seen = defaultdict(int)
+    for s in sources:  # two runs on the same GPU and commit still need distinct names
+        seen[s.label] += 1
+    counts = defaultdict(int)
+    for s in sources:
+        if seen[s.label] > 1:
+            counts[s.label] += 1
+            s.label = f"{s.label} #{counts[s.label]} ({Path(s.path).name})"
+    return sources
+
+
+def _case_key(row: dict) -> tuple:
+    return (row["variant"], row["pass"], row["dtype"], int(row["head_dim"]), int(row["q_heads"]),
+            int(row["kv_heads"]), int(row["batch"]), int(row["q_len"]), int(row["kv_len"]))
+
+
+def _shape_text(key: tuple) -> str:
+    variant, p, dtype, d, hq, hkv, b, q, kv = key
+    heads = f"H={hq}" if hq == hkv else f"H={hq}/{hkv}"
+    seq = f"S={kv}" if q == kv else f"Q={q} KV={kv}"
+    return f"B={b} {heads} {seq} D={d}"
+
+
+def build_cells(sources: list[Source]) -> tuple[dict, list[tuple], list[str]]:
+    """{(source, case_key, provider): Cell}, the sorted case keys, the providers in first-seen order."""
+    cells: dict = {}
+    cases, providers = {}, {}
+    for s in sources:
+        for row in s.rows:
+            key = _case_key(row)
+            cases[key] = True
+            provider = row["provider"]
+            if provider != "baseline":
+                providers.setdefault(provider, True)
+            cell = cells.setdefault((s.label, key, provider), Cell({}, "ok", ""))
+            if row["metric"] == "status":
+                cell.status, cell.note = row["status"], row.get("note") or ""
+            else:
+                cell.metrics[row["metric"]] = row["value"]
+                if row["status"] == "fail":
+                    cell.metrics.setdefault("_fails", []).append(row["metric"])
+                elif row["status"] in ("error", "unsupported") and row["metric"].endswith("_correct"):
+                    cell.metrics.setdefault("_errors", []).append(f"{row['metric']}: {row.get('note')}")
+                if row["metric"] in ("time_ms", "compile_s") and row.get("note"):
+                    cell.metrics.setdefault("_note", row["note"])
+    order = {"fwd": 0, "fwd_bwd": 1, "decode": 2}
+    variant_order = {}
+    for s in sources:
+        for row in s.rows:
+            variant_order.setdefault(row["variant"], len(variant_order))
+    keys = sorted(cases, key=lambda k: (order.get(k[1], 9), variant_order[k[0]], k[6:], k[4:6], k[3], k[2]))
+    return cells, keys, list(providers)
+
+
+def pick_baseline(cells: dict, providers: list[str], requested: str | None) -> str | None:
+    if requested:
+        return requested
+    timed = {p for (_, _, p), c in cells.items() if c.metrics.get("time_ms") is not None}
+    for name in _BASELINE_ORDER:
+        if name in timed:
+            return name
+    return next((p for p in providers if p in timed), None)
+
+
+def _fmt(value, digits=3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.{digits}g}"
+
+
+def _cell_text(cell: Cell | None) -> str:
+    if cell is None:
+        return ""
+    if cell.status != "ok":
+        return cell.status
+    t, tf = cell.metrics.get("time_ms"), cell.metrics.get("tflops")
+    if t is None:
+        return "—"
+    text = f"{_fmt(tf)} ({_fmt(t)} ms)" if tf is not None else f"{_fmt(t)} ms"
+    if cell.metrics.get("_fails"):
+        text += " ✗"
+    return text
+
+
+def summary_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the summary table: TFLOP/s (median ms) per source × provider."""
+    multi = len(sources) > 1
+    columns = [(s.label, p) for s in sources for p in providers
+               if any((s.label, k, p) in cells for k in keys)]
+    header = ["variant", "shape", "dtype", "pass"] + [f"{p} [{s}]" if multi else p for s, p in columns]
+    rows = []
+    for key in keys:
+        rows.append([key[0], _shape_text(key), key[2], key[1]]
+                    + [_cell_text(cells.get((s, key, p))) for s, p in columns])
+    return header, rows
+
+
+def error_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the error table: one row per (source, case, provider) that ran."""
+    header = ["source", "variant", "shape", "dtype", "pass", "provider", "out max abs", "out rel fro",
+              "out tolerance", "grads (worst rel fro)", "pass/fail"]
+    rows = []
+    for key in keys:
+        for s in sources:
+            base = cells.get((s.label, key, "baseline"))
+            for p in ["baseline"] + providers:
+                cell = cells.get((s.label, key, p))
+                if cell is None or (cell.status != "ok" and p != "baseline"):
+                    continue
+                m = cell.metrics
+                grad_rel = [v for k, v in m.items() if k.endswith("_rel_fro") and not k.startswith("out")
+                            and isinstance(v, (int, float))]
+                corrects = [v for k, v in m.items() if k.endswith("_correct")]
+                if p == "baseline":
+                    verdict = "reference"
+                elif m.get("_errors"):
+                    verdict = "error"
+                elif not corrects:
+                    verdict = "—"
+                else:
+                    verdict = "pass" if all(v == 1 for v in corrects) else "FAIL: " + ", ".join(
+                        k.replace("_correct", "") for k, v in m.items() if k.endswith("_correct") and v != 1)
+                rows.append([s.label, key[0], _shape_text(key), key[2], key[1], p,
+                             _fmt(m.get("out_max_abs")), _fmt(m.get("out_rel_fro")),
+                             _fmt(m.get("out_tolerance")), _fmt(max(grad_rel)) if grad_rel else "—", verdict])
+            del base
+    return header, rows
+
+
+def status_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[str]]]:
+    """Distinct (source, provider, status, note) of providers that did not run, with a count."""
+    counts: dict = defaultdict(int)
+    for (label, key, p), cell in cells.items():
+        if cell.status != "ok":
+            counts[(label, p, cell.status, cell.note)] += 1
+    header = ["source", "provider", "status", "cases", "reason"]
+    return header, [[l, p, st, str(n), note] for (l, p, st, note), n in sorted(counts.items())]
+
+
+def speedups(sources, cells, keys, providers, baseline) -> dict:
+    """{pass: {variant: {(source, provider): geometric-mean speed-up over the baseline}}}."""
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for p_name in ("fwd", "fwd_bwd", "decode"):
+        for s in sources:
+            for prov in providers:
+                per_variant = defaultdict(list)
+                for key in keys:
+                    if key[1] != p_name:
+                        continue
+                    base = cells.get((s.label, key, baseline))
+                    cell = cells.get((s.label, key, prov))
+                    tb = base.metrics.get("time_ms") if base else None
+                    tp = cell.metrics.get("time_ms") if cell else None
+                    if tb and tp:
+                        per_variant[key[0]].append(tb / tp)
+                for variant, values in per_variant.items():
+                    out[p_name][variant][(s.label, prov)] = math.exp(sum(map(math.log, values)) / len(values))
+    return out
+
+
+def tflops_series(sources, cells, keys, providers) -> dict:
+    """{(pass, variant): {line label: [(kv_len, TFLOP/s), ...]}} for lines over sequence length."""
+    varying_d = len({k[3] for k in keys}) > 1
+    varying_dtype = len({k[2] for k in keys}) > 1
+    multi = len(sources) > 1
+    out: dict = defaultdict(lambda: defaultdict(list))
+    for key in keys:
+        for s in sources:
+            for prov in providers:
+                cell = cells.get((s.label, key, prov))
+                tf = cell.metrics.get("tflops") if cell else None
+                if tf is None:
+                    continue
+                label = prov + (f" D={key[3]}" if varying_d else "") + (f" {key[2]}" if varying_dtype else "") \
+                    + (f" [{s.label}]" if multi else "")
+                out[(key[1], key[0])][label].append((key[8], tf))
+    for series in out.values():
+        for label in series:
+            series[label].sort()
+    return out
+
+
+# ---- writers ---------------------------------------------------------------------------------
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    def esc(text):
+        return str(text).replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(esc(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def html_table(header: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _png_figures(speed, series, baseline, fig_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for p_name, per_variant in speed.items():
+        if not per_variant:
+            continue
+        variants = list(per_variant)
+        bars = sorted({k for v in per_variant.values() for k in v})
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(variants) * max(1, len(bars)) / 3), 4))
+        width = 0.8 / max(1, len(bars))
+        for i, bar in enumerate(bars):
+            xs = [j + i * width for j in range(len(variants))]
+            ys = [per_variant[v].get(bar, float("nan")) for v in variants]
+            ax.bar(xs, ys, width, label=f"{bar[1]} [{bar[0]}]" if len({b[0] for b in bars}) > 1 else bar[1])
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(variants))])
+        ax.set_xticklabels(variants, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(f"speed-up over {baseline} (geo-mean)")
+        ax.set_title(f"Speed-up, {PASS_LABELS.get(p_name, p_name)}")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = fig_dir / f"speedup_{p_name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    by_pass = defaultdict(dict)
+    for (p_name, variant), lines in series.items():
+        by_pass[p_name][variant] = lines
+    for p_name, per_variant in by_pass.items():
+        n = len(per_variant)
+        cols = min(3, n)
+        rows = math.ceil(n / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
+        for ax, (variant, lines) in zip(axes.flat, per_variant.items()):
+            for label, points in lines.items():
+                ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_title(variant, fontsize=9)
+            ax.set_xlabel("KV length")
+            ax.set_ylabel("TFLOP/s")
+            ax.legend(fontsize=6)
+        for ax in list(axes.flat)[n:]:
+            ax.axis("off")
+        fig.suptitle(f"TFLOP/s against sequence length, {PASS_LABELS.get(p_name, p_name)}")
+        fig.tight_layout()
+        path = fig_dir / f"tflops_{p_name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _plotly_figures(speed, series, baseline) -> list[str] | None:
+    """HTML fragments of the plotly figures (plotly.js inlined once), or None without plotly."""
+    try:
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+    except ImportError:
+        return None
+    figs = []
+    for p_name, per_variant in speed.items():
+        if not per_variant:
+            continue
+        variants = list(per_variant)
+        bars = sorted({k for v in per_variant.values() for k in v})
+        multi = len({b[0] for b in bars}) > 1
+        fig = go.Figure()
+        for bar in bars:
+            fig.add_bar(name=f"{bar[1]} [{bar[0]}]" if multi else bar[1], x=variants,
+                        y=[per_variant[v].get(bar) for v in variants])
+        fig.add_hline(y=1.0, line_color="black", line_width=1)
+        fig.update_layout(title=f"Speed-up over {baseline} (geometric mean over shapes), "
+                                f"{PASS_LABELS.get(p_name, p_name)}", barmode="group",
+                          yaxis_title="speed-up", height=420)
+        figs.append(fig)
+    by_pass = defaultdict(dict)
+    for (p_name, variant), lines in series.items():
+        by_pass[p_name][variant] = lines
+    for p_name, per_variant in by_pass.items():
+        n = len(per_variant)
+        cols = min(3, n)
+        rows = math.ceil(n / cols)
+        fig = make_subplots(rows=rows, cols=cols, subplot_titles=list(per_variant))
+        colors = {}
+        palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+                   "#7f7f7f", "#bcbd22", "#17becf"]
+        for i, (variant, lines) in enumerate(per_variant.items()):
+            for label, points in lines.items():
+                color = colors.setdefault(label, palette[len(colors) % len(palette)])
+                fig.add_scatter(x=[x for x, _ in points], y=[y for _, y in points], mode="lines+markers",
+                                name=label, legendgroup=label, showlegend=label not in colors or i == 0,
+                                line_color=color, row=i // cols + 1, col=i % cols + 1)
+        fig.update_xaxes(type="log", title_text="KV length")
+        fig.update_yaxes(title_text="TFLOP/s")
+        fig.update_layout(title=f"TFLOP/s against sequence length, {PASS_LABELS.get(p_name, p_name)}",
+                          height=320 * rows)
+        figs.append(fig)
+    return [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, fig in enumerate(figs)]
+
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 12px; }
+th, td { border: 1px solid #ccc; padding: 3px 6px; text-align: left; }
+th { background: #f0f0f0; }
+h2 { margin-top: 1.6em; }
+.note { color: #555; font-size: 13px; }
+"""
+
+
+def write_report(results, out_dir, *, force: bool = False, labels=None, baseline: str | None = None
+                 ) -> list[Path]:
+    """Write the report of one or more results into ``out_dir``; return the written paths.
+
+    Raises:
+        ReportExistsError: ``out_dir`` exists and is not empty, and ``force`` is False.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        if not force:
+            raise ReportExistsError(f"report folder {out_dir} exists; pass --force to overwrite it")
+        for name in ("report.html", "summary.md", "results.csv"):
+            (out_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(out_dir / "figures", ignore_errors=True)
+    sources = load_sources(list(results) if not isinstance(results, (str, os.PathLike)) else [results],
+                           labels)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig_dir = out_dir / "figures"
+    fig_dir.mkdir(exist_ok=True)
+    cells, keys, providers = build_cells(sources)
+    base = pick_baseline(cells, providers, baseline)
+    speed = speedups(sources, cells, keys, providers, base) if base else {}
+    series = tflops_series(sources, cells, keys, providers)
+    s_header, s_rows = summary_rows(sources, cells, keys, providers)
+    e_header, e_rows = error_rows(sources, cells, keys, providers)
+    st_header, st_rows = status_rows(sources, cells, keys, providers)
+    written = []
+
+    combined = [{**row, "source": s.label} for s in sources for row in s.rows]
+    csv_path = out_dir / "results.csv"
+    _write_combined_csv(csv_path, combined)
+    written.append(csv_path)
+
+    pngs = _png_figures(speed, series, base, fig_dir)
+    written += pngs
+
+    title = "flexlab benchmark: " + " vs ".join(s.label for s in sources)
+    md = [f"# {title}", "",
+          "Cells: TFLOP/s (median ms); FLOPs as in ANCHORS.md (bench.flops.attention_flops). "
+          "✗ marks a correctness failure.", "", markdown_table(s_header, s_rows), "",
+          "## Errors against float64", "", markdown_table(e_header, e_rows), ""]
+    if st_rows:
+        md += ["## Providers that did not run", "", markdown_table(st_header, st_rows), ""]
+    md_path = out_dir / "summary.md"
+    _write_text(md_path, "\n".join(md))
+    written.append(md_path)
+
+    fragments = _plotly_figures(speed, series, base)
+    if fragments is None:
+        fragments = [f'<img alt="{html.escape(p.stem)}" src="data:image/png;base64,'
+                     f'{base64.b64encode(p.read_bytes()).decode()}">' for p in pngs]
+        figure_note = "plotly is not installed: static figures."
+    else:
+        figure_note = "Interactive figures (plotly, embedded)."
+    env_header = ["key"] + [s.label for s in sources]
+    env_keys = []
+    for s in sources:
+        for e in s.envs:
+            env_keys += [k for k in e if k not in env_keys]
+    env_rows = [[k] + [" | ".join(str(e.get(k)) for e in s.envs) for s in sources] for k in env_keys]
+    parts = [
+        "<!DOCTYPE html>", "<html><head><meta charset='utf-8'>", f"<title>{html.escape(title)}</title>",
+        f"<style>{_CSS}</style></head><body>", f"<h1>{html.escape(title)}</h1>",
+        f"<p class='note'>Speed-ups are relative to <b>{html.escape(str(base))}</b> in the same run. "
+        f"{figure_note}</p>",
+        "<h2>Figures</h2>", *fragments,
+        "<h2>Summary: TFLOP/s (median ms)</h2>", html_table(s_header, s_rows),
+        "<h2>Errors against float64</h2>",
+        "<p class='note'>pass iff max abs error ≤ 2 × the same-dtype baseline's + eps(dtype); "
+        "the baseline is SDPA math, or flexcore's reference with upcast=False where SDPA cannot "
+        "express the variant.</p>", html_table(e_header, e_rows),
+        "<h2>Providers that did not run</h2>", html_table(st_header, st_rows),
+        "<h2>Environment</h2>", html_table(env_header, env_rows),
+        "</body></html>",
+    ]
+    html_path = out_dir / "report.html"
+    _write_text(html_path, "\n".join(parts))
+    written.append(html_path)
+    return written
+
+
+def _write_text(path: Path, text: str) -> None:
+    from bench.runner import _atomic_write
+
+    _atomic_write(path, text)
+
+
+def _write_combined_csv(path: Path, rows: list[dict]) -> None:
+    import csv
+
+    buf = io.StringIO()
+    columns = ["source"] + COLUMNS
+    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in columns})
+    _write_text(path, buf.getvalue())
+
+
+def summary_markdown(results, labels=None) -> str:
+    """The summary table (TFLOP/s and median ms per provider) of one or more results, as markdown."""
+    sources = load_sources(list(results) if not isinstance(results, (str, os.PathLike)) else [results],
+                           labels)
+    cells, keys, providers = build_cells(sources)
+    return markdown_table(*summary_rows(sources, cells, keys, providers))
+
+
+def print_summary(results, labels=None) -> None:
+    print(summary_markdown(results, labels))

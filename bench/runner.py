@@ -1,0 +1,616 @@
+"""The benchmark runner: every case × provider, timed, checked against float64, written as it goes.
+
+Output folder (``results/<name>`` by default):
+
+- ``rows.jsonl``: one line per finished case, ``{"case_id": ..., "rows": [...]}``, appended and
+  fsynced as each case ends, so an interrupted run keeps what it wrote and ``--resume`` skips it.
+- ``env.json``: ``{"runs": [environment of each run segment]}`` (see :func:`bench.env.capture`).
+- ``config.json``: the expanded grid.
+- ``results.json`` / ``results.csv``: all rows, long form (written atomically at the end of each
+  segment; the report also reads ``rows.jsonl`` of an unfinished run).
+
+The row schema is :class:`Row`; its fields are the CSV columns (``pass_`` is written ``pass``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+import torch
+
+from bench import env as env_mod
+from bench import providers as prov
+from bench.context import CaseContext, make_context
+from bench.grid import Case, Grid
+from bench.timing import peak_memory, time_call, time_first_call
+
+SCHEMA_VERSION = "flexlab-bench/1"
+
+
+@dataclass
+class Row:
+    """One (case, provider, metric) measurement.
+
+    Attributes:
+        run_id: id of the run segment that measured it (env.json has its environment).
+        case_id: :attr:`bench.grid.Case.case_id`.
+        variant ... pass_: the case's fields (``pass_`` is ``fwd``, ``fwd_bwd`` or ``decode``).
+        density: fraction of BLOCK_SIZE blocks computed (the FLOP convention of ANCHORS.md).
+        provider: provider name, or ``baseline`` for the same-dtype reference errors.
+        metric: see ``METRICS``.
+        value: the number (None for status rows).
+        unit: ``ms``, ``s``, ``bytes``, ``TFLOP/s``, ``GB/s``, ``abs``, ``rel``, ``bool``, ``count``.
+        status: ``ok``; ``fail`` (a correctness metric over its tolerance); ``skipped`` (provider
+            unavailable on this machine), ``unsupported`` (cannot express the case), ``error``.
+        note: reason of a status, how the variant was expressed, the tolerance rule.
+        ref_coverage: slices of the output checked against float64: ``all`` or ``b0/h0:2;...``.
+    """
+
+    run_id: str
+    case_id: str
+    variant: str
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    v_head_dim: int
+    dtype: str
+    pass_: str
+    density: float | None
+    provider: str
+    metric: str
+    value: float | None
+    unit: str
+    status: str
+    note: str = ""
+    ref_coverage: str = ""
+
+    def to_dict(self) -> dict:
+        """The row keyed by CSV column, in column order."""
+        return {("pass" if k == "pass_" else k): v for k, v in dataclasses.asdict(self).items()}
+
+
+#: Column order of results.csv.
+COLUMNS = [("pass" if f.name == "pass_" else f.name) for f in dataclasses.fields(Row)]
+
+#: metric -> (unit, meaning). Errors come as out_*, dq_*, dk_*, dv_*, d<captured name>_*.
+METRICS = {
+    "status": ("", "provider did not run this case: see status and note"),
+    "time_ms": ("ms", "median time of one call (forward, or forward+backward)"),
+    "time_ms_p20": ("ms", "20th percentile"),
+    "time_ms_p80": ("ms", "80th percentile"),
+    "reps": ("count", "timed repetitions"),
+    "setup_s": ("s", "prepare(): BlockMask / dense mask construction"),
+    "compile_s": ("s", "first call (compilation plus one run), synchronised"),
+    "peak_mem_bytes": ("bytes", "peak memory of one call above what was allocated before it, plus "
+                                "the masks the provider holds"),
+    "tflops": ("TFLOP/s", "bench.flops.attention_flops / median time"),
+    "gbps": ("GB/s", "decode only: bench.flops.decode_bytes / median time"),
+    "*_max_abs": ("abs", "max |x - golden| against float64, over the checked slices"),
+    "*_mean_abs": ("abs", "mean |x - golden|"),
+    "*_rel_fro": ("rel", "||x - golden||_F / ||golden||_F"),
+    "*_tolerance": ("abs", "2 * baseline max_abs + eps(dtype) (flexcore.testing.DEFAULT_EPS)"),
+    "*_correct": ("bool", "1 when *_max_abs <= *_tolerance"),
+}
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; results are meant to be shared
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_csv(path: Path, rows: list[dict]) -> None:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in COLUMNS})
+    _atomic_write(path, buf.getvalue())
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Finished cases of a rows.jsonl; a line cut short by an interruption is ignored."""
+    cases = []
+    if not path.exists():
+        return cases
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(entry, dict) and "case_id" in entry and "rows" in entry:
+                cases.append(entry)
+    return cases
+
+
+class RunDirError(RuntimeError):
+    """The output folder holds a previous run: resume it or replace it."""
+
+
+# ---- one case --------------------------------------------------------------------------------
+
+
+def _error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0][:500] if text else type(exc).__name__
+
+
+def _metrics(parts: list[torch.Tensor], golden: list[torch.Tensor]) -> dict:
+    from flexcore.testing import error_metrics
+
+    out = torch.cat([p.detach().reshape(-1).to(torch.float64).to(g.device) for p, g in zip(parts, golden)])
+    ref = torch.cat([g.detach().reshape(-1).to(torch.float64) for g in golden])
+    return error_metrics(out, ref)
+
+
+def _eps(dtype: torch.dtype) -> float:
+    from flexcore.testing import DEFAULT_EPS
+
+    return DEFAULT_EPS.get(dtype, 1e-5)
+
+
+class CaseRunner:
+    """Runs one case over the providers and returns its rows."""
+
+    def __init__(self, case: Case, grid: Grid, device: torch.device, run_id: str,
+                 availability: dict[str, tuple[bool, str]]):
+        self.case, self.grid, self.device, self.run_id = case, grid, device, run_id
+        self.availability = availability
+        self.rows: list[Row] = []
+        self.ctx: CaseContext | None = None
+        self.coverage = ""
+        self.density: float | None = None
+
+    def row(self, provider: str, metric: str, value, unit: str = "", status: str = "ok", note: str = ""):
+        c = self.case
+        value = None if value is None else float(value)
+        self.rows.append(Row(self.run_id, c.case_id, c.variant, c.batch, c.q_heads, c.kv_heads, c.q_len,
+                             c.kv_len, c.head_dim, c.v_head_dim, c.dtype, c.pass_, self.density,
+                             provider, metric, value, unit, status, note, self.coverage))
+
+    def run(self) -> list[Row]:
+        c = self.case
+        try:
+            self.ctx = make_context(c, self.grid.settings, self.device)
+            self.density = self.ctx.density()
+            self.coverage = self.ctx.coverage()
+        except Exception as exc:
+            for name in self.grid.providers:
+                self.row(name, "status", None, status="error", note=f"case setup failed: {_error_text(exc)}")
+            self._cleanup()
+            return self.rows
+        try:
+            self._baseline()
+            for name in self.grid.providers:
+                self._provider(name)
+        finally:
+            self._cleanup()
+        return self.rows
+
+    def _cleanup(self):
+        if self.ctx is not None:
+            self.ctx.release()
+        self.ctx = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # ---- golden and baseline ----
+    def _golden(self):
+        return self.ctx.golden()
+
+    def _baseline(self):
+        """Errors of the same-dtype baseline: SDPA math, or flexcore's reference with upcast=False."""
+        ctx = self.ctx
+        self.baseline = None
+        try:
+            golden = self._golden()
+        except Exception as exc:
+            self.golden_error = _error_text(exc)
+            self.row("baseline", "status", None, status="error",
+                     note=f"float64 reference failed: {self.golden_error}")
+            return
+        self.golden_error = None
+        outputs, name = None, None
+        try:
+            outputs = self._sdpa_math_slices()
+            name = "sdpa_math"
+        except Exception as exc:
+            reason = _error_text(exc)
+            try:
+                outputs = ctx.reference_baseline()
+                name = f"flexcore.reference(upcast=False) (SDPA math: {reason})"
+            except Exception as exc2:
+                self.row("baseline", "status", None, status="error",
+                         note=f"no same-dtype baseline: SDPA math: {reason}; reference: {_error_text(exc2)}")
+                return
+        errors = {}
+        for key in self._error_keys():
+            try:
+                errors[key] = _metrics(outputs[key] if key in ("out", "dq", "dk", "dv")
+                                       else [outputs["captured"][self._cap_index(key)]],
+                                       golden[key] if key in ("out", "dq", "dk", "dv")
+                                       else [golden["captured"][self._cap_index(key)]])
+            except Exception as exc:
+                self.row("baseline", f"{key}_max_abs", None, status="error", note=_error_text(exc))
+                continue
+            for metric in ("max_abs", "mean_abs", "rel_fro"):
+                self.row("baseline", f"{key}_{metric}", errors[key][metric],
+                         "rel" if metric == "rel_fro" else "abs", note=name)
+        self.baseline = errors
+
+    def _error_keys(self) -> list[str]:
+        keys = ["out"]
+        if self.ctx.needs_grad:
+            keys += ["dq", "dk", "dv"] + [f"d{n}" for n, _ in self.ctx.learnable_named]
+        return keys
+
+    def _cap_index(self, key: str) -> int:
+        names = [f"d{n}" for n, _ in self.ctx.learnable_named]
+        return names.index(key)
+
+    def _sdpa_math_slices(self) -> dict:
+        ctx = self.ctx
+        first = ctx.inputs[0]
+        learnable = ctx.learnable
+        dout = ctx.correctness_dout()
+        result = {"out": [], "dq": [], "dk": [], "dv": []}
+        cap = [None] * len(learnable)
+        for s in ctx.slices():
+            mods = ctx.slice_mods(s)
+            q, k, v = (t.detach() for t in ctx.slice_tensors(s, first.q, first.k, first.v))
+            with torch.set_grad_enabled(ctx.needs_grad):
+                if ctx.needs_grad:
+                    for t in (q, k, v):
+                        t.requires_grad_(True)
+                out = prov.sdpa_reference(ctx, q, k, v, mods, grad=bool(learnable) and ctx.needs_grad)
+                if ctx.needs_grad:
+                    g = dout[s.b:s.b + 1, s.h0:s.h0 + s.group]
+                    grads = torch.autograd.grad(out, [q, k, v, *learnable], g, allow_unused=True)
+                    for key, grad in zip(("dq", "dk", "dv"), grads[:3]):
+                        result[key].append(grad)
+                    for i, grad in enumerate(grads[3:]):
+                        if grad is not None:
+                            cap[i] = grad.double() if cap[i] is None else cap[i] + grad.double()
+            result["out"].append(out.detach())
+        result["captured"] = [g if g is not None else torch.zeros_like(t, dtype=torch.float64)
+                              for g, t in zip(cap, learnable)]
+        return result
+
+    # ---- one provider ----
+    def _provider(self, name: str):
+        ctx, c = self.ctx, self.case
+        ok, why = self.availability.get(name, (False, "unknown provider"))
+        if not ok:
+            self.row(name, "status", None, status="skipped", note=why)
+            return
+        provider = prov.get(name)
+        try:
+            start = time.perf_counter()
+            prepared = provider.prepare(ctx)
+            prov_setup = time.perf_counter() - start
+        except (prov.Unsupported, NotImplementedError) as exc:
+            self.row(name, "status", None, status="unsupported", note=_error_text(exc))
+            return
+        except Exception as exc:
+            self._error(name, "prepare", exc)
+            return
+        note = prepared.note
+        step = self._step(prepared)
+        try:
+            compile_s = time_first_call(lambda: step(0), self.device)
+        except (prov.Unsupported, NotImplementedError) as exc:
+            what = "backward" if c.pass_ == "fwd_bwd" and self._forward_works(prepared) else "call"
+            self.row(name, "status", None, status="unsupported", note=f"{what}: {_error_text(exc)}")
+            return
+        except Exception as exc:
+            self._error(name, "first call", exc)
+            return
+        self.row(name, "setup_s", prov_setup, "s", note=note)
+        self.row(name, "compile_s", compile_s, "s", note=note)
+        memory = []
+        self._correctness(name, prepared, memory)
+        try:
+            # On the CPU the correctness run (the same work) is measured instead of one more
+            # call: calls under Triton's interpreter cost seconds.
+            peak, method = memory[0] if memory else peak_memory(lambda: step(0), self.device)
+            if peak is not None:
+                peak += prepared.held_bytes
+            self.row(name, "peak_mem_bytes", peak, "bytes", note=method)
+            s = self.grid.settings
+            timing = time_call(step, len(ctx.inputs), self.device, warmup_ms=s.warmup_ms, rep_ms=s.rep_ms,
+                               min_reps=s.min_reps, max_reps=s.max_reps, cpu_reps=s.cpu_reps)
+        except Exception as exc:
+            self._error(name, "timing", exc)
+            return
+        tnote = f"{timing.method}, {len(ctx.inputs)} rotated input set(s)"
+        self.row(name, "time_ms", timing.median_ms, "ms", note=tnote)
+        self.row(name, "time_ms_p20", timing.p20_ms, "ms", note=tnote)
+        self.row(name, "time_ms_p80", timing.p80_ms, "ms", note=tnote)
+        self.row(name, "reps", timing.reps, "count", note=tnote)
+        seconds = timing.median_ms * 1e-3
+        if seconds > 0:
+            self.row(name, "tflops", ctx.flops() / seconds / 1e12, "TFLOP/s",
+                     note=f"density {self.density:.4f}")
+            if c.pass_ == "decode":
+                self.row(name, "gbps", ctx.bytes_moved() / seconds / 1e9, "GB/s",
+                         note="K and V read once, density-scaled")
+
+    def _forward_works(self, prepared) -> bool:
+        try:
+            with torch.no_grad():
+                first = self.ctx.inputs[0]
+                prepared.call(first.q, first.k, first.v)
+            return True
+        except Exception:
+            return False
+
+    def _error(self, name: str, stage: str, exc: BaseException):
+        note = f"{stage}: {_error_text(exc)}"
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            note = f"{stage}: CUDA out of memory"
+        self.row(name, "status", None, status="error", note=note)
+        if os.environ.get("FLEXLAB_BENCH_TRACEBACK"):
+            traceback.print_exc()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _step(self, prepared: prov.Prepared):
+        ctx = self.ctx
+        inputs = ctx.inputs
+        call = prepared.call
+        if ctx.needs_grad:
+            targets = prepared.timing_grad_targets
+
+            def step(i):
+                x = inputs[i]
+                out = call(x.q, x.k, x.v)
+                return torch.autograd.grad(out, [x.q, x.k, x.v, *targets], x.dout)
+        else:
+            def step(i):
+                x = inputs[i]
+                with torch.no_grad():
+                    return call(x.q, x.k, x.v)
+        return step
+
+    def _correctness(self, name: str, prepared: prov.Prepared, memory: list):
+        ctx = self.ctx
+        if self.baseline is None:
+            self.row(name, "out_correct", None, status="error",
+                     note="no float64 golden or baseline for this case (see the baseline rows)")
+            return
+        first = ctx.inputs[0]
+        learnable = ctx.learnable
+        call = prepared.grad_call or prepared.call
+        result = {}
+
+        def run():
+            if ctx.needs_grad:
+                result["out"] = call(first.q, first.k, first.v)
+                result["grads"] = torch.autograd.grad(
+                    result["out"], [first.q, first.k, first.v, *learnable], ctx.correctness_dout(),
+                    allow_unused=True)
+            else:
+                with torch.no_grad():
+                    result["out"] = call(first.q, first.k, first.v)
+                result["grads"] = ()
+
+        try:
+            if self.device.type == "cuda":
+                run()
+            else:
+                memory.append(peak_memory(run, self.device))
+            out, grads = result["out"], result["grads"]
+        except (prov.Unsupported, NotImplementedError) as exc:
+            self.row(name, "out_correct", None, status="unsupported", note=_error_text(exc))
+            return
+        except Exception as exc:
+            self._error(name, "correctness run", exc)
+            return
+        golden = self._golden()
+        parts = {"out": out}
+        if grads:
+            parts.update(dq=grads[0], dk=grads[1], dv=grads[2])
+        eps = _eps(ctx.dtype)
+        for key in self._error_keys():
+            if key not in self.baseline:
+                continue
+            if key in ("out", "dq", "dk", "dv"):
+                full = parts[key]
+                slices = ([full[s.b:s.b + 1, s.h0:s.h0 + s.group] for s in ctx.slices()] if key in ("out", "dq")
+                          else [full[s.b:s.b + 1, s.kv_head:s.kv_head + 1] for s in ctx.slices()])
+                ref = golden[key]
+            else:
+                i = self._cap_index(key)
+                grad = grads[3 + i]
+                if grad is None:
+                    self.row(name, f"{key}_correct", 0, "bool", status="fail",
+                             note="no gradient reached the captured tensor")
+                    continue
+                slices, ref = [grad], [golden["captured"][i]]
+            errors = _metrics(slices, ref)
+            tol = 2.0 * self.baseline[key]["max_abs"] + eps
+            passed = errors["max_abs"] <= tol
+            for metric in ("max_abs", "mean_abs", "rel_fro"):
+                self.row(name, f"{key}_{metric}", errors[metric], "rel" if metric == "rel_fro" else "abs")
+            rule = f"max_abs <= 2 * baseline {self.baseline[key]['max_abs']:.3g} + {eps:g}"
+            self.row(name, f"{key}_tolerance", tol, "abs", note=rule)
+            self.row(name, f"{key}_correct", 1 if passed else 0, "bool", status="ok" if passed else "fail",
+                     note=rule)
+
+
+# ---- the run ---------------------------------------------------------------------------------
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _progress(total: int, initial: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, initial=initial, unit="case", dynamic_ncols=True, file=sys.stderr)
+
+
+def prepare_out_dir(out_dir: Path, resume: bool, force: bool) -> list[dict]:
+    """Create the output folder; return the finished cases to keep (resume), or refuse."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    jsonl = out_dir / "rows.jsonl"
+    existing = read_jsonl(jsonl)
+    if jsonl.exists() and not resume:
+        if not force:
+            raise RunDirError(f"{out_dir} holds a previous run ({len(existing)} finished cases); pass "
+                              "--resume to continue it or --force to start over")
+        for name in ("rows.jsonl", "results.json", "results.csv", "env.json", "config.json"):
+            (out_dir / name).unlink(missing_ok=True)
+        return []
+    if resume and jsonl.exists():
+        # Rewrite without a line cut short by the interruption, so appends start on a clean line.
+        _atomic_write(jsonl, "".join(json.dumps(e) + "\n" for e in existing))
+    return existing
+
+
+def run(grid: Grid, out_dir: str | Path, *, device: torch.device | str | None = None, resume: bool = False,
+        force: bool = False, progress: bool = True, log=None) -> Path:
+    """Run a grid into ``out_dir`` and return the path of results.json.
+
+    Example:
+        >>> from bench.grid import build_grid, load_config
+        >>> run(build_grid(load_config("tiny"), "tiny"), "results/tiny")
+    """
+    out_dir = Path(out_dir)
+    device = torch.device(device) if device is not None else default_device()
+    from flexcore._runtime import prepare_triton
+
+    prepare_triton()  # before anything imports triton: the interpreter must be chosen first on CPUs
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    existing = prepare_out_dir(out_dir, resume, force)
+    done = {e["case_id"] for e in existing}
+    run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+    env = {"run_id": run_id, **env_mod.capture(device)}
+    env_path = out_dir / "env.json"
+    envs = json.loads(env_path.read_text()).get("runs", []) if (resume and env_path.exists()) else []
+    _atomic_write(env_path, json.dumps({"runs": envs + [env]}, indent=2))
+    _atomic_write(out_dir / "config.json", json.dumps(grid.to_dict(), indent=2))
+    availability = prov.availability(device, grid.providers)
+    for name, (ok, why) in availability.items():
+        log(f"provider {name}: {'available' if ok else 'skipped'} ({why})")
+    todo = [c for c in grid.cases if c.case_id not in done]
+    if done:
+        log(f"resuming: {len(grid.cases) - len(todo)} of {len(grid.cases)} cases already done")
+    bar = _progress(len(grid.cases), len(grid.cases) - len(todo), progress)
+    started = time.monotonic()
+    limit = grid.settings.max_minutes * 60
+    stopped_early = 0
+    try:
+        with open(out_dir / "rows.jsonl", "a") as jsonl:
+            for i, case in enumerate(todo):
+                if limit and time.monotonic() - started > limit:
+                    stopped_early = len(todo) - i
+                    break
+                t0 = time.monotonic()
+                rows = CaseRunner(case, grid, device, run_id, availability).run()
+                jsonl.write(json.dumps({"case_id": case.case_id, "rows": [r.to_dict() for r in rows]}) + "\n")
+                jsonl.flush()
+                os.fsync(jsonl.fileno())
+                if bar is not None:
+                    bar.set_postfix_str(case.case_id[:60])
+                    bar.update(1)
+                else:
+                    log(f"[{len(grid.cases) - len(todo) + i + 1}/{len(grid.cases)}] {case.case_id} "
+                        f"({time.monotonic() - t0:.1f}s)")
+    finally:
+        if bar is not None:
+            bar.close()
+        path = finalize(out_dir, grid)
+    if stopped_early:
+        log(f"stopped after {grid.settings.max_minutes:g} minutes with {stopped_early} cases left; run "
+            "again with --resume to finish")
+    return path
+
+
+def finalize(out_dir: Path, grid: Grid | None = None) -> Path:
+    """Write results.json and results.csv from rows.jsonl (atomically)."""
+    out_dir = Path(out_dir)
+    cases = read_jsonl(out_dir / "rows.jsonl")
+    rows = [r for e in cases for r in e["rows"]]
+    env_path = out_dir / "env.json"
+    envs = json.loads(env_path.read_text()).get("runs", []) if env_path.exists() else []
+    config_path = out_dir / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else (grid.to_dict() if grid else {})
+    total = len(config.get("cases", [])) or len(cases)
+    payload = {"schema": SCHEMA_VERSION, "name": config.get("name", out_dir.name), "columns": COLUMNS,
+               "complete": len(cases) >= total, "cases_done": len(cases), "cases_total": total,
+               "envs": envs, "config": config, "rows": rows}
+    path = out_dir / "results.json"
+    _atomic_write(path, json.dumps(payload, indent=1))
+    write_csv(out_dir / "results.csv", rows)
+    return path
+
+
+def load_results(path: str | Path) -> dict:
+    """Read a results.json, a results.csv, or a run folder (results.json, else rows.jsonl)."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / "rows.jsonl").exists() and os.access(path, os.W_OK):
+            finalize(path)  # results.json may predate an interrupted or resumed segment
+        if (path / "results.json").exists():
+            return load_results(path / "results.json")
+        if (path / "rows.jsonl").exists():
+            rows = [r for e in read_jsonl(path / "rows.jsonl") for r in e["rows"]]
+            env_path = path / "env.json"
+            envs = json.loads(env_path.read_text()).get("runs", []) if env_path.exists() else []
+            return {"schema": SCHEMA_VERSION, "name": path.name, "envs": envs, "rows": rows}
+        raise FileNotFoundError(f"{path} holds no results.json or rows.jsonl")
+    if not path.exists():
+        raise FileNotFoundError(f"results file {path} does not exist")
+    if path.suffix == ".csv":
+        import csv
+
+        with open(path, newline="") as f:
+            rows = []
+            for r in csv.DictReader(f):
+                for k in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "v_head_dim"):
+                    r[k] = int(r[k]) if r.get(k) not in (None, "") else None
+                for k in ("density", "value"):
+                    r[k] = float(r[k]) if r.get(k) not in (None, "") else None
+                rows.append(r)
+        env_path = path.parent / "env.json"
+        envs = json.loads(env_path.read_text()).get("runs", []) if env_path.exists() else []
+        return {"schema": SCHEMA_VERSION, "name": path.parent.name, "envs": envs, "rows": rows}
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or "rows" not in data:
+        raise ValueError(f"{path} is not a bench results file (no 'rows')")
+    return data
+

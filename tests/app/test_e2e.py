@@ -1,0 +1,116 @@
+"""End to end: `streamlit run` on a free loopback port, driven by headless Chromium (Playwright).
+
+Edits the Playground's mod in the browser, runs Check, waits for its verdict and saves
+screenshots under test-artifacts/ (git-ignored) for a person to look at.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+# A causal mask at Q_LEN = KV_LEN = 128 keeps 128·129/2 = 8,256 of 16,384 positions: seeing that
+# count proves the browser's edit reached the server.
+EDITED_CODE = (
+    "def mask_mod(b, h, q_idx, kv_idx):\n"
+    "return q_idx >= kv_idx\n"  # Ace indents the body itself after the colon
+)
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                                 reason=f"{CHROMIUM} is missing (apt-get install chromium; "
+                                        ".ci/run installs it)")]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"streamlit exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"streamlit did not answer at {url} within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    ARTIFACTS.mkdir(exist_ok=True)
+    log = open(ARTIFACTS / "streamlit-e2e.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app/streamlit_app.py", "--server.headless", "true",
+         "--server.address", "127.0.0.1", "--server.port", str(port),
+         "--browser.gatherUsageStats", "false"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        yield url
+    finally:
+        # The server's own process group holds its child processes (the code checker): stop them
+        # together, by the group id of the process this test started.
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=20)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_edit_mod_and_check_in_browser(server):
+    from playwright.sync_api import expect, sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+        try:
+            page.goto(server, wait_until="domcontentloaded")
+            expect(page.get_by_role("heading", name="Playground")).to_be_visible(timeout=60_000)
+            # The template is checked on first load: its mask caption appears.
+            expect(page.get_by_text("positions (", exact=False).first).to_be_visible(timeout=180_000)
+            page.screenshot(path=str(ARTIFACTS / "e2e-playground.png"), full_page=True)
+
+            editor = page.frame_locator("iframe[title='streamlit_ace.streamlit_ace']")
+            editor.locator(".ace_content").click()
+            page.keyboard.press("Control+A")
+            page.keyboard.press("Delete")
+            page.keyboard.type(EDITED_CODE)
+            page.wait_for_timeout(1500)  # Ace sends its value after 200 ms without typing
+
+            page.get_by_role("tab", name="Check").click()
+            page.get_by_role("button", name="Check", exact=True).click()
+            verdict = page.get_by_text("Check passed for", exact=False).or_(
+                page.get_by_text("Check failed for", exact=False))
+            expect(verdict.first).to_be_visible(timeout=240_000)
+            expect(page.get_by_text("Kept 8,256 of 16,384 positions", exact=False)).to_be_visible(
+                timeout=30_000)
+            page.wait_for_timeout(1000)  # let the charts finish drawing before the screenshot
+            page.screenshot(path=str(ARTIFACTS / "e2e-check.png"), full_page=True)
+            assert page.get_by_text("Check passed for float32, float16, bfloat16").count() == 1, \
+                "flexcore should pass the check for a causal mask in every dtype"
+            assert page.get_by_text("Traceback").count() == 0
+        finally:
+            browser.close()

@@ -1,0 +1,97 @@
+"""Grid expansion, presets, config files and variant specs."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.grid import ConfigError, build_grid, load_config, preset_names
+from bench.mods import VariantError, eval_param, resolve, split_terms
+
+
+def test_anchors_preset_is_the_anchors_grid():
+    grid = build_grid(load_config("anchors"), "anchors")
+    full = [c for c in grid.cases if c.pass_ != "decode"]
+    decode = [c for c in grid.cases if c.pass_ == "decode"]
+    # 7 variants × 2 shapes × 2 passes, and 3 decode variants × 2 KV lengths.
+    assert len(full) == 28 and len(decode) == 6
+    assert {(c.batch, c.q_len) for c in full} == {(4, 4096), (1, 16384)}
+    assert all(c.q_heads == 16 and c.head_dim == 128 and c.dtype == "bfloat16" for c in full)
+    assert {(c.batch, c.q_heads, c.kv_heads, c.q_len, c.kv_len) for c in decode} == {
+        (8, 32, 8, 1, 8192), (8, 32, 8, 1, 65536)}
+    assert "torch_flex" in grid.providers and "flexlab" in grid.providers
+
+
+def test_filters_keep_only_requested_passes_and_variants():
+    grid = build_grid(load_config("anchors"), "anchors", passes=["forward"], variants=["causal"])
+    assert {c.pass_ for c in grid.cases} == {"fwd"} and {c.variant for c in grid.cases} == {"causal"}
+
+
+def test_every_preset_expands():
+    for name in preset_names():
+        assert build_grid(load_config(name), name).cases
+
+
+def test_toml_and_yaml_configs_give_the_same_grid(tmp_path):
+    toml = tmp_path / "g.toml"
+    toml.write_text('providers = ["sdpa_math"]\n[settings]\ncpu_reps = 1\n[[groups]]\n'
+                    'variants = ["causal"]\nshapes = [[2, 64], [1, 32, 96]]\nheads = [[4, 2]]\n'
+                    'head_dim = [16, [16, 8]]\ndtype = ["fp32"]\npasses = ["forward+backward"]\n')
+    yaml = tmp_path / "g.yaml"
+    yaml.write_text("providers: [sdpa_math]\nsettings: {cpu_reps: 1}\ngroups:\n"
+                    "  - variants: [causal]\n    shapes: [[2, 64], [1, 32, 96]]\n    heads: [[4, 2]]\n"
+                    "    head_dim: [16, [16, 8]]\n    dtype: [fp32]\n    passes: [forward+backward]\n")
+    a, b = build_grid(load_config(toml)), build_grid(load_config(yaml))
+    assert [c.case_id for c in a.cases] == [c.case_id for c in b.cases]
+    assert len(a.cases) == 4 and a.settings.cpu_reps == 1
+    assert {(c.q_len, c.kv_len, c.v_head_dim) for c in a.cases} == {
+        (64, 64, 16), (64, 64, 8), (32, 96, 16), (32, 96, 8)}
+    assert all(c.pass_ == "fwd_bwd" and c.kv_heads == 2 for c in a.cases)
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"groups": [{"variants": ["causal"], "shapes": [[1, 8]], "heads": [3], "kv_heads": [2],
+                  "head_dim": [8]}], "providers": ["sdpa_math"]}, "multiple"),
+    ({"groups": [{"variants": ["causal"], "shapes": [[1, 8]], "heads": [2], "head_dim": [8],
+                  "dtype": ["int8"]}], "providers": ["sdpa_math"]}, "dtype"),
+    ({"groups": [{"variants": ["causal"], "shapes": [[1, 8]], "heads": [2], "head_dim": [8],
+                  "colour": 1}], "providers": ["sdpa_math"]}, "colour"),
+    ({"groups": [{"variants": ["causal"], "shapes": [[1, 8]], "heads": [2], "head_dim": [8]}]},
+     "providers"),
+])
+def test_bad_configs_say_what_is_wrong(config, words):
+    with pytest.raises(ConfigError, match=words):
+        build_grid(config)
+
+
+def test_unknown_config_name():
+    with pytest.raises(ConfigError, match="preset"):
+        load_config("no-such-preset")
+
+
+def test_variant_spec_grammar():
+    terms = split_terms("sliding_window(window_size=S//4)+alibi_causal")
+    assert [t.name for t in terms] == ["sliding_window", "alibi_causal"]
+    assert eval_param(terms[0].params[0][1], {"S": 4096}) == 1024
+    with pytest.raises(VariantError, match="unbalanced"):
+        split_terms("a(x=1")
+    with pytest.raises(VariantError, match="unknown name"):
+        eval_param("T//2", {"S": 8})
+
+
+def test_registry_variant_and_mod_file_resolve(tmp_path):
+    from tests.bench.conftest import ALIBI, CAUSAL
+
+    mods = resolve(f"{ALIBI}+{CAUSAL}", B=1, H=4, KV_HEADS=4, Q_LEN=8, KV_LEN=8, D=4, device="cpu")
+    assert mods.score_mod is not None and mods.mask_mod is not None
+    assert [t.requires_grad for _, t in mods.captured] == [True]
+    reg = resolve("relative_bias(max_distance=4)", B=1, H=2, KV_HEADS=2, Q_LEN=8, KV_LEN=8, D=4,
+                  device="cpu")
+    assert reg.score_mod is not None and any(t.requires_grad for _, t in reg.captured)
+    with pytest.raises(VariantError, match="unknown variant"):
+        resolve("no_such_variant", B=1, H=1, KV_HEADS=1, Q_LEN=8, KV_LEN=8, D=4, device="cpu")
+
+
+def test_grid_to_dict_is_json():
+    grid = build_grid(load_config("tiny"), "tiny")
+    assert json.loads(json.dumps(grid.to_dict()))["cases"][0]["variant"] == grid.cases[0].variant

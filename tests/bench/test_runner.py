@@ -1,0 +1,191 @@
+"""The runner: long-form schema, correctness and gradient checks that can fail, resumable runs."""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from bench import providers as prov
+from bench import runner
+from bench.runner import COLUMNS, Row
+from tests.bench.conftest import ALIBI, CAUSAL, small_grid
+
+
+def _rows(path):
+    return json.loads(path.read_text())["rows"]
+
+
+def _by(rows, **match):
+    return [r for r in rows if all(r[k] == v for k, v in match.items())]
+
+
+def test_schema_of_json_and_csv(small_run):
+    data = json.loads(small_run.read_text())
+    assert data["schema"] == runner.SCHEMA_VERSION and data["complete"]
+    assert data["columns"] == COLUMNS == [("pass" if f.name == "pass_" else f.name)
+                                          for f in dataclasses.fields(Row)]
+    rows = data["rows"]
+    assert rows and all(list(r) == COLUMNS for r in rows)
+    with open(small_run.parent / "results.csv", newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == len(rows) and list(csv_rows[0]) == COLUMNS
+    # One row per (case, provider, metric).
+    keys = [(r["case_id"], r["provider"], r["metric"]) for r in rows]
+    assert len(keys) == len(set(keys))
+    env = data["envs"][0]
+    for key in ("gpu_name", "driver", "cuda", "torch", "triton", "flexlab", "git_commit", "time_utc"):
+        assert key in env
+    assert env["torch"] == torch.__version__
+
+
+def test_metrics_of_every_case(small_run):
+    rows = _rows(small_run)
+    cases = {r["case_id"] for r in rows}
+    assert len(cases) == 4
+    for case in cases:
+        mine = _by(rows, case_id=case, provider="sdpa_math")
+        metrics = {r["metric"]: r for r in mine}
+        for m in ("time_ms", "time_ms_p20", "time_ms_p80", "compile_s", "setup_s", "tflops", "out_max_abs",
+                  "out_rel_fro", "out_correct", "peak_mem_bytes"):
+            assert m in metrics, (case, m)
+        assert metrics["time_ms_p20"]["value"] <= metrics["time_ms"]["value"] <= metrics["time_ms_p80"]["value"]
+        # SDPA math is its own baseline: its error equals the baseline's and passes.
+        base = {r["metric"]: r["value"] for r in _by(rows, case_id=case, provider="baseline")}
+        assert metrics["out_max_abs"]["value"] == base["out_max_abs"] < 1e-5
+        assert metrics["out_correct"]["value"] == 1
+        if "fwd_bwd" in case:
+            for g in ("dq", "dk", "dv"):
+                assert metrics[f"{g}_correct"]["value"] == 1 and metrics[f"{g}_rel_fro"]["value"] < 1e-5
+        if ALIBI in case and "fwd_bwd" in case:
+            # The learnable slopes' gradient is compared too.
+            assert metrics["dcap0_correct"]["value"] == 1 and metrics["dcap0_rel_fro"]["value"] < 1e-5
+
+
+def test_tflops_is_flops_over_median_time(small_run):
+    from bench.flops import attention_flops
+
+    rows = _rows(small_run)
+    r = _by(rows, provider="sdpa_math", metric="tflops")[0]
+    t = _by(rows, provider="sdpa_math", metric="time_ms", case_id=r["case_id"])[0]["value"]
+    flops = attention_flops(r["batch"], r["q_heads"], r["q_len"], r["kv_len"], r["head_dim"],
+                            r["v_head_dim"], r["density"], r["pass"])
+    assert r["value"] == pytest.approx(flops / (t * 1e-3) / 1e12)
+
+
+class _Perturbed(prov.Provider):
+    """SDPA math, with the output or dq scaled: the checks must catch it."""
+
+    def __init__(self, name, out_scale=1.0, dq_scale=1.0, detach_bias=False):
+        self.name, self.out_scale, self.dq_scale, self.detach_bias = name, out_scale, dq_scale, detach_bias
+
+    def available(self, device):
+        return True, "test provider"
+
+    def prepare(self, ctx):
+        inner = prov.SDPAMath().prepare(ctx)
+        out_scale, dq_scale = self.out_scale, self.dq_scale
+
+        class ScaleGrad(torch.autograd.Function):
+            @staticmethod
+            def forward(_, q):
+                return q.view_as(q)
+
+            @staticmethod
+            def backward(_, g):
+                return g * dq_scale
+
+        def call(q, k, v):
+            return inner.call(ScaleGrad.apply(q), k, v) * out_scale
+
+        grad_call = None if self.detach_bias else (
+            lambda q, k, v: (inner.grad_call or inner.call)(ScaleGrad.apply(q), k, v) * out_scale)
+        return prov.Prepared(call, 0, "perturbed", grad_call)
+
+
+def test_wrong_outputs_and_gradients_fail(tmp_path, monkeypatch):
+    for p in (_Perturbed("wrong_out", out_scale=1.01), _Perturbed("wrong_dq", dq_scale=1.01),
+              _Perturbed("no_cap_grad", detach_bias=True)):
+        monkeypatch.setitem(prov.PROVIDERS, p.name, p)
+    grid = small_grid(providers=("wrong_out", "wrong_dq", "no_cap_grad"), passes=("fwd_bwd",),
+                      variants=[f"{ALIBI}+{CAUSAL}"])
+    rows = _rows(runner.run(grid, tmp_path / "r", progress=False, log=lambda m: None))
+    get = {(r["provider"], r["metric"]): r for r in rows}
+    assert get[("wrong_out", "out_correct")]["value"] == 0 and get[("wrong_out", "out_correct")]["status"] == "fail"
+    assert get[("wrong_dq", "out_correct")]["value"] == 1
+    assert get[("wrong_dq", "dq_correct")]["value"] == 0 and get[("wrong_dq", "dk_correct")]["value"] == 1
+    assert get[("wrong_dq", "dq_rel_fro")]["value"] == pytest.approx(0.01, rel=1e-3)
+    # The bias without autograd never reaches the learnable slopes.
+    assert get[("no_cap_grad", "dcap0_correct")]["status"] == "fail"
+    assert "no gradient" in get[("no_cap_grad", "dcap0_correct")]["note"]
+
+
+def test_refuses_to_overwrite_a_run(tmp_path):
+    grid = small_grid(variants=[CAUSAL], passes=("fwd",))
+    runner.run(grid, tmp_path / "r", progress=False, log=lambda m: None)
+    with pytest.raises(runner.RunDirError, match="--resume"):
+        runner.run(grid, tmp_path / "r", progress=False, log=lambda m: None)
+    runner.run(grid, tmp_path / "r", progress=False, force=True, log=lambda m: None)
+
+
+def test_interrupted_run_resumes_without_redoing_cases(tmp_path, monkeypatch):
+    grid = small_grid()
+    out = tmp_path / "r"
+    first = runner.run(grid, out, progress=False, log=lambda m: None)
+    lines = (out / "rows.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    # Simulate a kill during the third case: two finished lines and half of a third.
+    (out / "rows.jsonl").write_text(lines[0] + "\n" + lines[1] + "\n" + lines[2][: len(lines[2]) // 2])
+    kept = {json.loads(l)["case_id"]: json.loads(l) for l in lines[:2]}
+    assert runner.load_results(out)["cases_done"] == 2  # the cut line is ignored
+
+    ran = []
+    real = runner.CaseRunner.run
+
+    def spy(self):
+        ran.append(self.case.case_id)
+        return real(self)
+
+    monkeypatch.setattr(runner.CaseRunner, "run", spy)
+    runner.run(grid, out, resume=True, progress=False, log=lambda m: None)
+    assert sorted(ran) == sorted(set(c.case_id for c in grid.cases) - set(kept))
+    data = json.loads((out / "results.json").read_text())
+    assert data["complete"] and data["cases_done"] == 4 and len(data["envs"]) == 2
+    for case_id, entry in kept.items():  # finished cases are kept as written
+        assert [r for r in data["rows"] if r["case_id"] == case_id] == entry["rows"]
+    assert first == out / "results.json"
+
+
+def test_max_minutes_stops_early_and_resume_finishes(tmp_path):
+    grid = small_grid(max_minutes=1e-9)
+    out = tmp_path / "r"
+    runner.run(grid, out, progress=False, log=lambda m: None)
+    assert json.loads((out / "results.json").read_text())["cases_done"] <= 1
+    grid.settings.max_minutes = 0
+    runner.run(grid, out, resume=True, progress=False, log=lambda m: None)
+    assert json.loads((out / "results.json").read_text())["complete"]
+
+
+def test_decode_reports_bandwidth(tmp_path):
+    from bench.grid import build_grid
+
+    config = {"groups": [{"variants": [f"{ALIBI}"], "shapes": [[2, 1, 96]], "heads": [[4, 2]],
+                          "head_dim": [16], "dtype": ["float32"], "passes": ["decode"]}],
+              "providers": ["sdpa_math"], "settings": {"cpu_reps": 2}}
+    rows = _rows(runner.run(build_grid(config), tmp_path / "d", progress=False, log=lambda m: None))
+    gbps = _by(rows, provider="sdpa_math", metric="gbps")[0]["value"]
+    t = _by(rows, provider="sdpa_math", metric="time_ms")[0]["value"]
+    assert gbps == pytest.approx(2 * 2 * 96 * 32 * 4 / (t * 1e-3) / 1e9)
+    assert _by(rows, provider="sdpa_math", metric="out_correct")[0]["value"] == 1
+
+
+def test_bench_imports_no_plotting_or_streamlit():
+    import subprocess
+    import sys
+
+    code = ("import sys, bench.__main__, bench.runner, bench.providers, bench.report, bench.forward\n"
+            "bad = [m for m in ('plotly', 'streamlit', 'matplotlib') if m in sys.modules]\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)

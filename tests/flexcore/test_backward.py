@@ -1,0 +1,298 @@
+"""flex_attention's backward kernels against autograd through the float64 reference.
+
+Every gradient (q, k, v and captured tensors that require grad) must satisfy
+``err(ours) <= 2 * err(torch in the same dtype) + eps`` against the float64 golden, where torch's
+error is that of autograd through ``flex_attention_reference(..., upcast=False)``.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flexcore import KernelOptions, create_block_mask, flex_attention
+from flexcore.reference import flex_attention_reference
+from flexcore.testing import assert_close_to_reference
+from tests.flexcore.cases import CPU_SHAPES, GPU_SHAPES, MOD_NAMES, Shape, make_mods
+from tests.flexcore.test_attention import seed_of
+
+DEVICE = "cpu"
+
+
+# Learnable score_mods: factory(tensors) -> mod, so that the golden can read float64 copies.
+def _learnable(name: str, shape: Shape, gen: torch.Generator):
+    H, L, S, B = shape.Hq, shape.L, shape.S, shape.B
+    if name == "alibi_slope":
+        tensors = [torch.rand(H, generator=gen) + 0.1]
+
+        def factory(slope):
+            def learned_alibi(score, b, h, q_idx, kv_idx):
+                return score - slope[h] * (q_idx - kv_idx).abs()
+            return learned_alibi
+    elif name == "relative_table":
+        tensors = [0.5 * torch.randn(L + S, generator=gen)]
+
+        def factory(table):
+            def learned_relative(score, b, h, q_idx, kv_idx):
+                return score + table[q_idx - kv_idx + S]
+            return learned_relative
+    elif name == "table_read_twice":
+        # The same tensor read at two indices in one mod (torch's flex_attention rejects this). A
+        # product, because the gradient of a term that depends on q_idx alone is exactly zero.
+        tensors = [torch.randn(max(L, S), generator=gen)]
+
+        def factory(bias):
+            def bias_product(score, b, h, q_idx, kv_idx):
+                return score + bias[q_idx] * bias[kv_idx]
+            return bias_product
+    elif name == "bias_difference":
+        tensors = [torch.randn(max(L, S), generator=gen)]
+
+        def factory(bias):
+            def bias_difference(score, b, h, q_idx, kv_idx):
+                return score + bias[q_idx] - bias[kv_idx]
+            return bias_difference
+    elif name == "temperature":
+        tensors = [torch.rand(B, H, generator=gen) + 0.5]
+
+        def factory(temp):
+            def per_head_temperature(score, b, h, q_idx, kv_idx):
+                return score / temp[b, h]
+            return per_head_temperature
+    elif name == "t5_bucket_softcap":
+        # A T5-style bucketed bias per head, plus a learnable 0-d softcap.
+        tensors = [0.5 * torch.randn(H, 16, generator=gen), torch.tensor(4.0)]
+
+        def factory(bucket_bias, cap):
+            def t5_softcap(score, b, h, q_idx, kv_idx):
+                rel = q_idx - kv_idx
+                bucket = torch.where(rel < 0, 8, 0) + torch.clamp(rel.abs() // 4, max=7)
+                score = score + bucket_bias[h, bucket]
+                return cap * torch.tanh(score / cap)
+            return t5_softcap
+    else:
+        raise KeyError(name)
+    return factory, tensors
+
+
+LEARNABLE = ["alibi_slope", "relative_table", "table_read_twice", "bias_difference", "temperature",
+             "t5_bucket_softcap"]
+
+
+def _grads(out, inputs, grad_out):
+    return torch.autograd.grad(out, inputs, grad_out)
+
+
+def check_backward(shape: Shape, mod_name: str | None, dtype, seed: int, learnable: str | None = None,
+                   kernel_options=None, device=DEVICE, return_grads=False):
+    """Run forward + backward and compare every gradient with the float64 golden."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (t.to(device) for t in shape.qkv(dtype, "cpu", gen))
+    score_mod, mask_mod = make_mods(mod_name or "noop", shape, device, gen)
+    caps, caps64, factory = [], [], None
+    if learnable is not None:
+        factory, tensors = _learnable(learnable, shape, gen)
+        caps = [t.to(device).requires_grad_() for t in tensors]
+        caps64 = [t.detach().double().requires_grad_() for t in caps]
+        score_mod = factory(*caps)
+    bm = None
+    if mask_mod is not None:
+        bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=device,
+                               BLOCK_SIZE=shape.block)
+    gqa = shape.Hq != shape.Hkv
+    grad_out = torch.randn(shape.B, shape.Hq, shape.L, shape.Dv, generator=gen).to(device, dtype)
+
+    inputs = [t.requires_grad_() for t in (q, k, v)] + caps
+    out = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
+                         kernel_options=kernel_options)
+    ours = _grads(out, inputs, grad_out)
+
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    gold_mod = factory(*caps64) if factory is not None else score_mod
+    gold = flex_attention_reference(q64, k64, v64, score_mod=gold_mod, block_mask=bm, enable_gqa=gqa,
+                                    upcast=True)
+    golden = _grads(gold, [q64, k64, v64] + caps64, grad_out.double())
+    base = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
+                                    upcast=False)
+    baseline = _grads(base, inputs, grad_out)
+
+    names = ["dq", "dk", "dv"] + [f"d{learnable}[{i}]" for i in range(len(caps))]
+    for name, a, g, b, x in zip(names, ours, golden, baseline, inputs):
+        assert a.shape == x.shape and a.dtype == x.dtype, f"{name}: {a.shape} {a.dtype}"
+        assert torch.isfinite(a).all(), f"{name} has NaN/inf"
+        assert_close_to_reference(a, g, b, name=f"{mod_name}/{learnable}/{shape.name}/{dtype}: {name}")
+    if return_grads:
+        return ours
+
+
+# -- the forward's variant matrix ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mod_name", MOD_NAMES)
+def test_variants_fp32(mod_name):
+    check_backward(CPU_SHAPES[0], mod_name, torch.float32, seed=seed_of("bwd", mod_name))
+
+
+# bf16 on a smaller square shape (the interpreter's cost is per loop step): 80 is ragged for 32.
+_SMALL = Shape("square80", B=1, Hq=2, Hkv=2, L=80, S=80, D=32, Dv=32, block=32)
+
+
+@pytest.mark.parametrize("mod_name", MOD_NAMES)
+def test_variants_bf16(mod_name):
+    check_backward(_SMALL, mod_name, torch.bfloat16, seed=seed_of("bwd16", mod_name))
+
+
+# Each of the forward's other shapes with a few variants (together they cover every variant).
+_SHAPE_CASES = [
+    ("square191", "sliding_window", torch.float32), ("square191", "alibi", torch.float32),
+    ("cross64x300", "causal", torch.float32), ("cross64x300", "relative_table", torch.float32),
+    ("cross64x300", "prefix_lm", torch.bfloat16),
+    ("gqa8to2", "document", torch.bfloat16), ("gqa8to2", "softcap", torch.float32),
+    ("d80_dv48", "and_or", torch.bfloat16), ("d80_dv48", "noop", torch.float32),
+]
+
+
+@pytest.mark.parametrize("shape_name,mod_name,dtype", _SHAPE_CASES,
+                         ids=[f"{s}-{m}-{str(d)[6:]}" for s, m, d in _SHAPE_CASES])
+def test_shapes(shape_name, mod_name, dtype):
+    shape = {s.name: s for s in CPU_SHAPES}[shape_name]
+    check_backward(shape, mod_name, dtype, seed=seed_of("bwdshape", shape_name, mod_name))
+
+
+# -- gradients of captured tensors --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("learnable", LEARNABLE)
+def test_captured_tensor_gradients(learnable):
+    check_backward(_SMALL, "causal", torch.float32, seed=seed_of("cap", learnable), learnable=learnable)
+
+
+def test_captured_gradients_gqa_ragged_bf16():
+    # GQA, ragged lengths and a mask block spanning two tiles, with a per-(b, h) temperature.
+    shape = Shape("gqa_ragged", B=2, Hq=4, Hkv=2, L=70, S=90, D=16, Dv=24, block=(32, 64))
+    check_backward(shape, "causal", torch.bfloat16, seed=11, learnable="temperature",
+                   kernel_options={"BLOCK_N": 32})
+    check_backward(shape, None, torch.float32, seed=12, learnable="table_read_twice")
+    check_backward(shape, "causal", torch.float32, seed=13, learnable="bias_difference")
+
+
+def test_deterministic_captured_gradients_are_bit_identical():
+    opts = KernelOptions(deterministic=True)
+    first = check_backward(_SMALL, "sliding_window", torch.float32, seed=21, learnable="t5_bucket_softcap",
+                           kernel_options=opts, return_grads=True)
+    second = check_backward(_SMALL, "sliding_window", torch.float32, seed=21,
+                            learnable="t5_bucket_softcap", kernel_options=opts, return_grads=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_fully_masked_rows_have_zero_gradients():
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 80, 32, generator=gen).requires_grad_() for _ in range(3))
+    table = torch.randn(80, generator=gen).requires_grad_()
+
+    def late(b, h, q_idx, kv_idx):
+        return kv_idx < q_idx - 20  # the first 21 queries see nothing
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx]
+
+    bm = create_block_mask(late, None, None, 80, 80, device=DEVICE, BLOCK_SIZE=32)
+    out = flex_attention(q, k, v, score_mod=bias, block_mask=bm)
+    dq, dk, dv, dtable = torch.autograd.grad(out, (q, k, v, table), torch.randn_like(out))
+    for g in (dq, dk, dv, dtable):
+        assert torch.isfinite(g).all()
+    assert torch.equal(dq[:, :, :21], torch.zeros_like(dq[:, :, :21]))
+    assert torch.equal(dtable[:21], torch.zeros_like(dtable[:21]))
+    assert torch.equal(dk[:, :, 59:], torch.zeros_like(dk[:, :, 59:]))  # keys no query may see
+
+
+def test_scale_and_noncontiguous_inputs():
+    gen = torch.Generator().manual_seed(7)
+    B, H, L, D = 1, 2, 70, 48
+    q = torch.randn(B, L, H, D, generator=gen).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, L, H, D, generator=gen).transpose(1, 2).requires_grad_()
+    v = torch.randn(B, H, D, L, generator=gen).transpose(2, 3).requires_grad_()
+    # An expanded (stride-0) grad_out, as out.sum() produces.
+    out = flex_attention(q, k, v, scale=0.3)
+    ours = torch.autograd.grad(out.sum(), (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    gold = torch.autograd.grad(flex_attention_reference(q64, k64, v64, scale=0.3).sum(), (q64, k64, v64))
+    for a, g in zip(ours, gold):
+        assert (a.double() - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item())
+
+
+def test_vjp_lowering_reads_no_handwritten_derivative():
+    # The generated gradient of softcap is traced from torch's own tanh backward (1 - tanh^2).
+    from flexcore.lowering import lower_score_mod
+    from flexcore.lowering.vjp import lower_score_mod_backward
+
+    cap = torch.tensor(5.0, requires_grad=True)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    fwd = lower_score_mod(softcap)
+    bwd = lower_score_mod_backward(softcap, fwd)
+    assert bwd.cap_params == fwd.cap_params and bwd.grad_of == (0,)
+    assert "fl_tanh" in bwd.source and "atomic_add" in bwd.source
+    assert bwd.grad_params == ("sm_g0_ptr",)
+
+
+def test_gradcheck_float64():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 1, 20, 16, generator=gen, dtype=torch.float64).requires_grad_()
+               for _ in range(3))
+    slope = torch.rand(1, generator=gen, dtype=torch.float64).requires_grad_()
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    bm = create_block_mask(causal, None, None, 20, 20, device=DEVICE, BLOCK_SIZE=16)
+
+    def fn(q, k, v, slope):
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - slope[h] * (q_idx - kv_idx).abs()
+        return flex_attention(q, k, v, score_mod=alibi, block_mask=bm)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v, slope), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+# -- GPU -------------------------------------------------------------------------------------------
+
+_GPU_BWD_SHAPES = [s for s in GPU_SHAPES if s.L * s.S <= 4096 * 4096]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", _GPU_BWD_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("mod_name", MOD_NAMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_backward_gpu(shape, mod_name, dtype):
+    if dtype == torch.float32 and shape.L * shape.S > 2048 * 2048:
+        pytest.skip("fp32 covered at the smaller shapes; the fp64 reference dominates the run time")
+    check_backward(shape, mod_name, dtype, seed=seed_of("gpu", mod_name, shape.name), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("learnable", LEARNABLE)
+def test_captured_gradients_gpu(learnable):
+    shape = Shape("gpu_cap", B=2, Hq=8, Hkv=2, L=1000, S=1531, D=64, Dv=64, block=128)
+    check_backward(shape, "causal", torch.bfloat16, seed=seed_of("gpucap", learnable), learnable=learnable,
+                   device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_deterministic_gpu():
+    shape = Shape("gpu_det", B=2, Hq=4, Hkv=4, L=4096, S=4096, D=64, Dv=64, block=128)
+    opts = KernelOptions(deterministic=True)
+    runs = [check_backward(shape, "causal", torch.bfloat16, seed=5, learnable=name, kernel_options=opts,
+                           device="cuda", return_grads=True)
+            for name in ("relative_table", "relative_table", "alibi_slope", "alibi_slope")]
+    for a, b in zip(runs[0], runs[1]):
+        assert torch.equal(a, b)
+    for a, b in zip(runs[2], runs[3]):
+        assert torch.equal(a, b)

@@ -1,0 +1,664 @@
+"""Lowering of score_mod / mask_mod to Triton, checked against eager evaluation of the same mods.
+
+Generated functions run in the dense evaluation kernel (Triton's interpreter on CPU) and are
+compared with the mods evaluated by torch over the same (B, H, Q, KV) grid through nested vmaps
+(the semantics of torch's flex_attention, where every index is a 0-d tensor), in float64 where the
+mod computes in floats.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexcore
+from flexcore.errors import (ControlFlowError, ModError, ModReturnError, ModSignatureError,
+                             UnsupportedOpError)
+from flexcore.kernels import codegen as kcodegen
+from flexcore.lowering import LoweredMod, evaluate_mods, lower_mask_mod, lower_score_mod
+from flexcore.lowering import api as lowering_api
+
+_ROOT = Path(__file__).resolve().parents[2]
+# The interpreter evaluates both branches of tl.where with numpy, which warns on log(0), 1/0, ...
+pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
+
+# 37 x 45 fills neither dimension of a tile, so every kernel call has padded rows and columns;
+# one 64 x 64 tile per (b, h) keeps the interpreter fast, and the 97 x 131 tests use 32 x 32 tiles
+# to cover several tiles per dimension.
+B, H, Q_LEN, KV_LEN = 2, 3, 37, 45
+TILE = 64
+
+
+@pytest.fixture(autouse=True)
+def _kernel_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FLEXLAB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernels"))
+
+
+def _vmapped(mod, n_args: int):
+    """mod over broadcast (b, h, q, kv) index vectors, as torch's flex_attention evaluates it."""
+    def fn(*args):
+        out = mod(*args)
+        return out if isinstance(out, torch.Tensor) else torch.tensor(out)
+    for dim in reversed(range(4)):
+        in_dims = [None] * 4
+        in_dims[dim] = 0
+        if n_args == 5:
+            in_dims = [0] + in_dims
+        fn = torch.vmap(fn, in_dims=tuple(in_dims))
+    return fn
+
+
+def _indices(b, h, q, kv, device="cpu"):
+    return [torch.arange(n, dtype=torch.int32, device=device) for n in (b, h, q, kv)]
+
+
+def eager_scores(score_mod, score: torch.Tensor) -> torch.Tensor:
+    b, h, q, kv = score.shape
+    if score_mod is None:
+        return score.clone()
+    out = _vmapped(score_mod, 5)(score, *_indices(b, h, q, kv, device=score.device))
+    return out.expand(score.shape).cpu()
+
+
+def eager_mask(mask_mod, shape, device="cpu") -> torch.Tensor:
+    if mask_mod is None:
+        return torch.ones(shape, dtype=torch.bool)
+    return _vmapped(mask_mod, 4)(*_indices(*shape, device=device)).expand(shape).cpu()
+
+
+def assert_scores_match(score_mod, shape=(B, H, Q_LEN, KV_LEN), *, index_tiles=False,
+                        atol=1e-5, rtol=1e-5, seed=0, scale=1.0, tile=TILE, device="cpu"):
+    """Triton result vs eager float64; tolerance is twice eager float32's own error plus atol."""
+    gen = torch.Generator().manual_seed(seed)
+    score = (torch.randn(shape, generator=gen) * scale).to(device)
+    out, _ = evaluate_mods(score_mod, None, *shape, score=score, index_tiles=index_tiles,
+                           block_m=tile, block_n=tile)
+    out, score = out.cpu(), score.cpu()
+    ref64 = eager_scores(score_mod, score.double().to(device)).double()
+    ref32 = eager_scores(score_mod, score.to(device)).double()
+    assert out.dtype == torch.float32 and out.shape == shape
+    nonfinite = ~torch.isfinite(ref64)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref64)), "NaN positions differ"
+    assert torch.equal(out[nonfinite & ~torch.isnan(ref64)].double(),
+                       ref64[nonfinite & ~torch.isnan(ref64)]), "infinities differ"
+    fin = ~nonfinite
+    err = (out.double() - ref64)[fin].abs()
+    tol = 2 * (ref32 - ref64)[fin].abs() + atol + rtol * ref64[fin].abs()
+    worst = (err - tol).max() if err.numel() else torch.tensor(-1.0)
+    assert worst <= 0, f"max error {err.max().item():.3g} exceeds tolerance"
+    return out
+
+
+def assert_mask_matches(mask_mod, shape=(B, H, Q_LEN, KV_LEN), *, index_tiles=False, tile=TILE,
+                        device="cpu"):
+    _, mask = evaluate_mods(None, mask_mod, *shape, index_tiles=index_tiles, block_m=tile,
+                            block_n=tile, device=device)
+    mask = mask.cpu()
+    ref = eager_mask(mask_mod, shape, device=device)
+    assert mask.dtype == torch.bool
+    assert torch.equal(mask, ref), f"{(mask != ref).sum().item()} positions differ"
+    return mask
+
+
+def _rand(*shape, seed=1, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+# --------------------------------------------------------------------------- score mods
+def _score_cases(device="cpu"):
+    """name -> score_mod; captured tensors are fresh random tensors on ``device``."""
+    slopes = torch.rand(H, generator=torch.Generator().manual_seed(3)) + 0.1
+    table = _rand(2 * max(Q_LEN, KV_LEN) + 1, seed=4)
+    pos = torch.randint(-50, 50, (max(Q_LEN, KV_LEN),),
+                        generator=torch.Generator().manual_seed(5))
+    t5_bias = _rand(32, H, seed=6)
+    bias_bf16 = _rand(H, Q_LEN, seed=7, dtype=torch.bfloat16)
+    big = (2**40 + torch.randint(0, 1000, (KV_LEN,), generator=torch.Generator().manual_seed(8)))
+    wide = _rand(KV_LEN, 2 * H, seed=9)
+    transposed = _rand(KV_LEN, Q_LEN, seed=10)
+    offset = torch.tensor(0.25)
+    w64 = _rand(H, seed=11, dtype=torch.float64)
+    per_batch = torch.tensor([3, -7], dtype=torch.int64)
+    half_bias = _rand(Q_LEN, seed=12, dtype=torch.float16)
+    (slopes, table, pos, t5_bias, bias_bf16, big, wide, transposed, offset, w64, per_batch,
+     half_bias) = (t.to(device) for t in (slopes, table, pos, t5_bias, bias_bf16, big, wide,
+                                         transposed, offset, w64, per_batch, half_bias))
+    noncontig = wide[:, ::2]  # strides (2H, 2): exercises the stride parameters
+    transposed = transposed.t()
+
+    def t5_bucket(rel):
+        # Bidirectional T5 buckets: 16 per direction, exact below 8, logarithmic up to 64.
+        num_buckets, max_exact, max_distance = 16, 8, 64
+        ret = (rel > 0).to(torch.int64) * num_buckets
+        n = torch.abs(rel)
+        is_small = n < max_exact
+        val_large = max_exact + (torch.log(n.float() / max_exact) / math.log(max_distance / max_exact)
+                                 * (num_buckets - max_exact)).to(torch.int64)
+        val_large = torch.clamp_max(val_large, num_buckets - 1)
+        return ret + torch.where(is_small, n, val_large)
+
+    cases = {
+        "identity": lambda score, b, h, q_idx, kv_idx: score,
+        "alibi": lambda score, b, h, q_idx, kv_idx: score + slopes[h] * (kv_idx - q_idx),
+        "softcap": lambda score, b, h, q_idx, kv_idx: 2.0 * torch.tanh(score / 2.0),
+        "tanh_wide": lambda score, b, h, q_idx, kv_idx: torch.tanh(score * (q_idx - 18) / 4),
+        "relative_table_twice": lambda score, b, h, q_idx, kv_idx:
+            score + table[q_idx - kv_idx + KV_LEN] - table[kv_idx - q_idx + Q_LEN],
+        "positions_read_twice": lambda score, b, h, q_idx, kv_idx:
+            score + (pos[q_idx] - pos[kv_idx]) * 0.125,
+        "t5_buckets": lambda score, b, h, q_idx, kv_idx:
+            score + t5_bias[t5_bucket(kv_idx - q_idx), h],
+        "arithmetic": lambda score, b, h, q_idx, kv_idx:
+            (score * 2 - 1) / 3 + (-score) - q_idx * 0.01 + kv_idx / 7 + (2 - score) * b,
+        "int_division_modes": lambda score, b, h, q_idx, kv_idx:
+            score + torch.div(q_idx - kv_idx, 3, rounding_mode="floor")
+            + 10 * torch.div(q_idx - kv_idx, 4, rounding_mode="trunc") + (q_idx - kv_idx) / 3,
+        "int_floordiv_remainder_negative": lambda score, b, h, q_idx, kv_idx:
+            score + (q_idx - kv_idx) // 4 + 100 * ((q_idx - kv_idx) % 5)
+            + 1000 * ((q_idx - kv_idx) % -3) + 7 * ((kv_idx - 20) // -6)
+            + torch.fmod(q_idx - kv_idx, 7),
+        "float_floordiv_remainder": lambda score, b, h, q_idx, kv_idx:
+            score // 0.3 + score % 0.7 + 10 * (score % -0.7) + torch.remainder(score, -1.5)
+            + (score * 3) // -1.1 + torch.fmod(score, 0.45),
+        "unary_math": lambda score, b, h, q_idx, kv_idx:
+            torch.abs(score) + torch.exp(score) + torch.exp2(score) + torch.log(score.abs() + 1)
+            + torch.log2(score.abs() + 2) + torch.sqrt(score.abs()) + torch.rsqrt(score.abs() + .1)
+            + torch.sigmoid(score) + torch.sign(score) + torch.log1p(score.abs())
+            + torch.expm1(score) + torch.sin(score) + torch.cos(score) + torch.erf(score),
+        "small_arguments": lambda score, b, h, q_idx, kv_idx:
+            torch.log1p(score * 1e-6) * 1e6 + torch.expm1(score * 1e-6) * 1e6
+            + torch.tanh(score * 1e-4) * 1e4,
+        "rounding": lambda score, b, h, q_idx, kv_idx:
+            torch.floor(score * 3) + torch.ceil(score * 3) + torch.round(score * 4)
+            + torch.trunc(score * 3) + torch.round((q_idx - 18) * 0.5) + torch.floor(q_idx),
+        "pow": lambda score, b, h, q_idx, kv_idx:
+            score ** 2 + score ** 3 + score.abs() ** 0.5 + score.abs() ** 1.7 + 2 ** score
+            + torch.pow(score, (kv_idx % 4).float()) + ((q_idx % 5) ** 2) * 0.01
+            + 0.01 * torch.pow(q_idx % 4, kv_idx % 3) + (score.abs() + 0.5) ** -1.5,
+        "min_max_clamp": lambda score, b, h, q_idx, kv_idx:
+            torch.minimum(score, torch.tensor(0.5)) + torch.maximum(score, kv_idx * 0.01)
+            + torch.clamp(score, -1, 1) + score.clamp_min(-0.2) + score.clamp_max(0.3)
+            + torch.clamp(score, min=0.1) + torch.clamp(q_idx - kv_idx, -5, 5)
+            + torch.relu(score),
+        "where_inf": lambda score, b, h, q_idx, kv_idx:
+            torch.where(q_idx >= kv_idx, score, -float("inf")),
+        "where_mixed_dtypes": lambda score, b, h, q_idx, kv_idx:
+            torch.where((q_idx % 3 == 0) | (kv_idx % 5 == 1), q_idx - kv_idx, score),
+        "casts": lambda score, b, h, q_idx, kv_idx:
+            score + (q_idx > kv_idx).float() + (score * 10).int() + q_idx.long() * 0.5
+            + score.to(torch.bfloat16).float() * 3 + score.half() + score.double() / 3
+            + (score > 0).int() + (score * 5).to(torch.int64) + score.bool().float(),
+        "constants": lambda score, b, h, q_idx, kv_idx:
+            score * torch.tensor(2.5) + torch.scalar_tensor(0.5) + torch.full_like(score, 1.5)
+            + torch.zeros_like(score) + torch.ones_like(q_idx) + torch.tensor(3),
+        "bf16_capture": lambda score, b, h, q_idx, kv_idx: score + bias_bf16[h, q_idx],
+        "fp16_capture": lambda score, b, h, q_idx, kv_idx: score * half_bias[q_idx],
+        "int64_exact": lambda score, b, h, q_idx, kv_idx:
+            score + (big[kv_idx] - big[0]).float() * 0.01 + per_batch[b],
+        "noncontiguous_captures": lambda score, b, h, q_idx, kv_idx:
+            score + noncontig[kv_idx, h] + transposed[q_idx, kv_idx],
+        "zero_dim_capture": lambda score, b, h, q_idx, kv_idx: score + offset + offset * q_idx,
+        "float64_capture": lambda score, b, h, q_idx, kv_idx: score + w64[h] / 3,
+        "negative_index_wraps": lambda score, b, h, q_idx, kv_idx:
+            score + slopes[-1 - h] + table[q_idx - kv_idx],
+        "int_literal_index": lambda score, b, h, q_idx, kv_idx: score + wide[3, 1] + wide[-1][h],
+        "ellipsis_and_slices": lambda score, b, h, q_idx, kv_idx:
+            score + wide[:, h][kv_idx] + wide[..., 0][q_idx],
+        "bool_arithmetic": lambda score, b, h, q_idx, kv_idx:
+            score + ((q_idx > 3) & (kv_idx < 30) | ~(q_idx == kv_idx) ^ (b == 1)).float(),
+        "python_float_return": lambda score, b, h, q_idx, kv_idx: 1.5,
+    }
+    return cases
+
+
+SCORE_CASES = _score_cases()
+
+
+@pytest.mark.parametrize("name", list(SCORE_CASES))
+def test_score_mod_matches_eager(name):
+    assert_scores_match(SCORE_CASES[name])
+
+
+@pytest.mark.parametrize("name", ["alibi", "t5_buckets", "int64_exact", "negative_index_wraps"])
+def test_score_mod_with_index_tiles(name):
+    # The decode kernel passes b and h as [BLOCK_M, 1] tiles.
+    assert_scores_match(SCORE_CASES[name], index_tiles=True)
+
+
+def test_score_mod_odd_large_shape():
+    # 97 x 131: several tiles in each direction, none a multiple of 32.
+    table = _rand(2 * 131 + 1)
+    assert_scores_match(lambda score, b, h, q_idx, kv_idx: score + table[q_idx - kv_idx + 131]
+                        - table[kv_idx - q_idx + 97], shape=(1, 2, 97, 131), tile=32)
+
+
+def test_bfloat16_casts_round_to_nearest_even():
+    # float32 values exactly halfway between bfloat16 neighbours: truncation would differ.
+    lo = torch.randn(KV_LEN).to(torch.bfloat16)
+    hi = (lo.view(torch.int16) + 1).view(torch.bfloat16)  # the next magnitude up
+    ties = (lo.float() + hi.float()) / 2
+    assert torch.all(ties != lo.float()) and torch.all(ties != hi.float())
+    assert_scores_match(lambda score, b, h, q_idx, kv_idx:
+                        score * 0 + ties[kv_idx].to(torch.bfloat16).float())
+
+
+def test_softcap_large_scores():
+    out = assert_scores_match(SCORE_CASES["softcap"], scale=20.0)
+    assert out.abs().max() <= 2.0
+
+
+# --------------------------------------------------------------------------- mask mods
+def _mask_cases(device="cpu"):
+    doc_ids = torch.sort(torch.randint(0, 4, (max(Q_LEN, KV_LEN),),
+                                       generator=torch.Generator().manual_seed(20))).values
+    prefix = torch.tensor([5, 17], dtype=torch.int32)
+    keep_q = torch.rand(Q_LEN, generator=torch.Generator().manual_seed(21)) > 0.3
+    per_head = torch.tensor([1, 0, 1], dtype=torch.uint8)
+    shift = torch.tensor(2)
+    doc_lengths = torch.tensor([9, 30, 3, 40])
+    doc_ids, prefix, keep_q, per_head, shift, doc_lengths = (
+        t.to(device) for t in (doc_ids, prefix, keep_q, per_head, shift, doc_lengths))
+    window = 6
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= window
+
+    def document(b, h, q_idx, kv_idx):
+        return doc_ids[q_idx] == doc_ids[kv_idx]
+
+    def prefix_lm(b, h, q_idx, kv_idx):
+        return kv_idx < prefix[b]
+
+    return {
+        "noop": flexcore.noop_mask,
+        "causal": causal,
+        "sliding_window": flexcore.and_masks(causal, sliding),
+        "document": document,
+        "document_causal": flexcore.and_masks(document, causal),
+        "prefix_lm": flexcore.or_masks(prefix_lm, causal),
+        "query_only": lambda b, h, q_idx, kv_idx: q_idx < 10,
+        "captured_bool": lambda b, h, q_idx, kv_idx: keep_q[q_idx] & (kv_idx % 3 != 0),
+        "head_dependent": lambda b, h, q_idx, kv_idx: (per_head[h] == 1) | (q_idx >= kv_idx),
+        "logical_ops": lambda b, h, q_idx, kv_idx:
+            torch.logical_xor(q_idx > kv_idx, torch.logical_not(kv_idx % 2 == 0))
+            | torch.logical_and(q_idx == 3, kv_idx < 5) | torch.logical_or(b == 1, h == 2) & False,
+        "negative_floordiv": lambda b, h, q_idx, kv_idx:
+            ((q_idx - kv_idx) // 8 == -1) | ((kv_idx - q_idx) % 7 == 2),
+        "python_true": lambda b, h, q_idx, kv_idx: True,
+        "zero_dim_int_capture": lambda b, h, q_idx, kv_idx: q_idx + shift >= kv_idx,
+        "nested_index": lambda b, h, q_idx, kv_idx: kv_idx < doc_lengths[doc_ids[q_idx]],
+        "constant_false": lambda b, h, q_idx, kv_idx: torch.zeros_like(q_idx, dtype=torch.bool),
+        "bool_cast": lambda b, h, q_idx, kv_idx: ((q_idx - kv_idx) % 4).bool(),
+    }
+
+
+MASK_CASES = _mask_cases()
+
+
+@pytest.mark.parametrize("name", list(MASK_CASES))
+def test_mask_mod_matches_eager(name):
+    assert_mask_matches(MASK_CASES[name])
+
+
+@pytest.mark.parametrize("name", ["document_causal", "prefix_lm", "head_dependent"])
+def test_mask_mod_with_index_tiles(name):
+    assert_mask_matches(MASK_CASES[name], index_tiles=True)
+
+
+def test_mask_mod_odd_large_shape():
+    assert_mask_matches(MASK_CASES["sliding_window"], shape=(2, 1, 97, 131), tile=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_tiles", [False, True])
+@pytest.mark.parametrize("name", list(SCORE_CASES))
+def test_score_mod_matches_eager_gpu(name, index_tiles):
+    # Compiled Triton rather than the interpreter: libdevice helpers, literals, bf16/int1 loads.
+    assert_scores_match(_score_cases("cuda")[name], device="cuda", index_tiles=index_tiles)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_tiles", [False, True])
+@pytest.mark.parametrize("name", list(MASK_CASES))
+def test_mask_mod_matches_eager_gpu(name, index_tiles):
+    assert_mask_matches(_mask_cases("cuda")[name], device="cuda", index_tiles=index_tiles)
+
+
+@pytest.mark.gpu
+def test_odd_shapes_and_large_scores_gpu():
+    assert_scores_match(_score_cases("cuda")["softcap"], device="cuda", scale=20.0)
+    assert_scores_match(_score_cases("cuda")["t5_buckets"], shape=(1, 2, 97, 131), tile=32,
+                        device="cuda")
+    assert_mask_matches(_mask_cases("cuda")["document_causal"], shape=(2, 1, 97, 131), tile=32,
+                        device="cuda")
+
+
+def test_score_and_mask_together():
+    gen = torch.Generator().manual_seed(0)
+    score = torch.randn(B, H, Q_LEN, KV_LEN, generator=gen)
+    out, mask = evaluate_mods(SCORE_CASES["alibi"], MASK_CASES["document_causal"], B, H, Q_LEN,
+                              KV_LEN, score=score)
+    torch.testing.assert_close(out, eager_scores(SCORE_CASES["alibi"], score))
+    assert torch.equal(mask, eager_mask(MASK_CASES["document_causal"], score.shape))
+
+
+# --------------------------------------------------------------------------- LoweredMod contract
+def test_lowered_mod_fields_and_kernel_args():
+    bias = _rand(H, Q_LEN)
+    pos = torch.arange(KV_LEN)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h, q_idx] + pos[kv_idx] - pos[q_idx]
+
+    lowered = lower_score_mod(mod)
+    assert isinstance(lowered, LoweredMod)
+    assert lowered.kind == "score" and lowered.fn_name == "score_mod_fn"
+    assert lowered.source.startswith("@triton.jit\ndef score_mod_fn(score, b, h, q_idx, kv_idx, "
+                                     "q_ok, kv_ok, sm_c0_ptr, sm_c0_s0, sm_c0_s1, sm_c1_ptr, "
+                                     "sm_c1_s0):")
+    assert lowered.cap_params == ("sm_c0_ptr", "sm_c0_s0", "sm_c0_s1", "sm_c1_ptr", "sm_c1_s0")
+    # The user's own objects (not copies), deduplicated though pos is read twice.
+    assert len(lowered.captured) == 2
+    assert lowered.captured[0] is bias and lowered.captured[1] is pos
+    assert lowered.kernel_args() == [bias, *bias.stride(), pos, *pos.stride()]
+    assert not lowered.is_trivial
+    with pytest.raises(Exception):
+        lowered.source = ""  # frozen
+
+
+def test_same_tensor_under_two_names_is_captured_once():
+    table = _rand(KV_LEN)
+    alias = table
+
+    def mod(b, h, q_idx, kv_idx):
+        return table[kv_idx] > alias[q_idx]
+
+    lowered = lower_mask_mod(mod)
+    assert lowered.cap_params == ("mm_c0_ptr", "mm_c0_s0")
+    assert lowered.captured[0] is table
+    assert lowered.kind == "mask" and lowered.fn_name == "mask_mod_fn"
+
+
+def test_loads_are_masked_by_the_indices_they_depend_on():
+    table = _rand(KV_LEN)
+    bias = _rand(H)
+    src = lower_score_mod(lambda s, b, h, q_idx, kv_idx: s + table[kv_idx] + bias[h]
+                          + table[q_idx - kv_idx]).source
+    assert "mask=kv_ok, other=0" in src
+    assert "mask=q_ok & kv_ok, other=0" in src
+    assert "tl.load(sm_c1_ptr + h * sm_c1_s0)" in src  # b/h-only loads need no mask
+
+
+def test_none_and_trivial_mods():
+    for lowered, kind in ((lower_score_mod(None), "score"), (lower_mask_mod(None), "mask")):
+        assert lowered.is_trivial and lowered.kind == kind
+        assert lowered.cap_params == () and lowered.captured == () and lowered.kernel_args() == []
+        assert lowered.source.startswith("@triton.jit\ndef ")
+    assert lower_score_mod(lambda score, b, h, q_idx, kv_idx: score).is_trivial
+    assert lower_mask_mod(flexcore.noop_mask).is_trivial
+    assert lower_mask_mod(lambda b, h, q_idx, kv_idx: True).is_trivial
+    assert not lower_score_mod(lambda score, b, h, q_idx, kv_idx: score * 1.0).is_trivial
+    assert not lower_mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= 0).is_trivial
+    assert not lower_mask_mod(lambda b, h, q_idx, kv_idx: False).is_trivial
+    out, mask = evaluate_mods(None, None, 1, 1, 5, 7, score=torch.arange(35.0).view(1, 1, 5, 7))
+    assert torch.equal(out, torch.arange(35.0).view(1, 1, 5, 7)) and bool(mask.all())
+
+
+def test_int64_stays_int64():
+    # 2**40 + small differences are exact only in int64; int32 would silently wrap.
+    big = 2**40 + torch.arange(KV_LEN, dtype=torch.int64) * 3
+    src = lower_mask_mod(lambda b, h, q_idx, kv_idx: big[kv_idx] - 2**40 < q_idx.long() * 3).source
+    assert "tl.int64" in src
+    assert_mask_matches(lambda b, h, q_idx, kv_idx: big[kv_idx] - 2**40 < q_idx.long() * 3)
+
+
+# --------------------------------------------------------------------------- errors
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        for i, line in enumerate(f, 1):
+            if marker in line and "_line_of" not in line:
+                return i
+    raise AssertionError(marker)
+
+
+def _check_error(err, cls, mod_name, marker, *words):
+    assert isinstance(err, cls), type(err)
+    assert err.mod_name == mod_name
+    assert err.filename == __file__
+    assert err.lineno == _line_of(marker), (err.lineno, _line_of(marker))
+    text = str(err)
+    assert f"{__file__}:{err.lineno}" in text and mod_name in text
+    for word in words:
+        assert word in text, (word, text)
+
+
+def test_unsupported_op_names_op_and_line():
+    def uses_erfinv(score, b, h, q_idx, kv_idx):
+        x = score * 2
+        return torch.special.erfinv(x / 10)  # MARK-erfinv
+
+    with pytest.raises(UnsupportedOpError) as info:
+        lower_score_mod(uses_erfinv)
+    _check_error(info.value, UnsupportedOpError, "uses_erfinv", "MARK-erfinv",
+                 "torch.special.erfinv", "aten.erfinv")
+    assert info.value.op == "torch.special.erfinv"
+
+
+def test_unsupported_tensor_method_names_method():
+    def uses_cumsum(b, h, q_idx, kv_idx):
+        return torch.atan2(q_idx.float(), kv_idx.float()) > 0.5  # MARK-atan2
+
+    with pytest.raises(UnsupportedOpError) as info:
+        lower_mask_mod(uses_cumsum)
+    _check_error(info.value, UnsupportedOpError, "uses_cumsum", "MARK-atan2", "torch.atan2")
+
+
+@pytest.mark.parametrize("variant", ["if", "bool", "item", "int", "while", "and", "range"])
+def test_python_control_flow_on_tensors(variant):
+    def branchy(b, h, q_idx, kv_idx):
+        if variant == "if":
+            if q_idx > 5:  # MARK-cf-if
+                return q_idx >= kv_idx
+            return kv_idx > 3
+        if variant == "bool":
+            return torch.tensor(bool(q_idx > kv_idx))  # MARK-cf-bool
+        if variant == "item":
+            return q_idx > (kv_idx.item() + 1)  # MARK-cf-item
+        if variant == "int":
+            return kv_idx < int(q_idx)  # MARK-cf-int
+        if variant == "while":
+            x = kv_idx
+            while x < q_idx:  # MARK-cf-while
+                x = x + 1
+            return x > 0
+        if variant == "and":
+            return (q_idx > 3) and (kv_idx > 2)  # MARK-cf-and
+        return q_idx > sum(1 for _ in range(kv_idx))  # MARK-cf-range
+
+    with pytest.raises(ControlFlowError) as info:
+        lower_mask_mod(branchy)
+    _check_error(info.value, ControlFlowError, "branchy", f"MARK-cf-{variant}", "torch.where")
+
+
+def test_wrong_arity():
+    def three(b, h, q_idx):
+        return q_idx > 0
+
+    with pytest.raises(ModSignatureError) as info:
+        lower_mask_mod(three)
+    assert info.value.mod_name == "three" and "4 arguments" in str(info.value)
+    with pytest.raises(ModSignatureError, match="5 arguments"):
+        lower_score_mod(lambda b, h, q_idx, kv_idx: q_idx > 0)
+    with pytest.raises(ModSignatureError):
+        lower_mask_mod(lambda score, b, h, q_idx, kv_idx: q_idx > 0)
+    # *args and trailing defaults are fine.
+    assert not lower_mask_mod(lambda *args: args[2] >= args[3]).is_trivial
+    assert lower_score_mod(lambda s, b, h, q, kv, extra=1.0: s * extra).cap_params == ()
+
+
+def test_bad_return_values():
+    def float_mask(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).float()  # MARK-floatmask
+
+    with pytest.raises(ModReturnError) as info:
+        lower_mask_mod(float_mask)
+    _check_error(info.value, ModReturnError, "float_mask", "MARK-floatmask", "bool tensor")
+
+    def bool_score(score, b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    with pytest.raises(ModReturnError, match="mask_mod"):
+        lower_score_mod(bool_score)
+    with pytest.raises(ModReturnError):
+        lower_score_mod(lambda score, b, h, q_idx, kv_idx: "score")
+    with pytest.raises(ModReturnError):
+        lower_mask_mod(lambda b, h, q_idx, kv_idx: 1.0)
+    table = _rand(H, KV_LEN)
+    with pytest.raises(ModError, match="index every dimension"):
+        lower_score_mod(lambda score, b, h, q_idx, kv_idx: score + table[h])
+
+
+def test_constant_index_out_of_range():
+    table = _rand(H, KV_LEN)
+
+    def off_the_end(b, h, q_idx, kv_idx):
+        return table[H, kv_idx] > 0  # MARK-oob
+
+    with pytest.raises(ModError, match="out of range") as info:
+        lower_mask_mod(off_the_end)
+    assert info.value.lineno == _line_of("MARK-oob")
+
+
+def test_other_exceptions_are_wrapped_with_line():
+    def typo(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idxx  # noqa: F821  MARK-nameerror
+
+    with pytest.raises(ModError) as info:
+        lower_mask_mod(typo)
+    _check_error(info.value, ModError, "typo", "MARK-nameerror", "NameError")
+    assert isinstance(info.value.__cause__, NameError)
+
+    table = _rand(H, KV_LEN)
+
+    def too_many(b, h, q_idx, kv_idx):
+        return table[h, q_idx, kv_idx] > 0  # MARK-toomany
+
+    with pytest.raises(ModError) as info:
+        lower_mask_mod(too_many)
+    assert info.value.lineno == _line_of("MARK-toomany")
+
+    def bad_slice(b, h, q_idx, kv_idx):
+        return table[1:, kv_idx][h] > 0  # MARK-slice
+
+    with pytest.raises(ModError, match="slice") as info:
+        lower_mask_mod(bad_slice)
+    assert info.value.lineno == _line_of("MARK-slice")
+
+
+# --------------------------------------------------------------------------- caching
+def test_repeat_lowering_is_cached_and_cheap():
+    import time
+    slopes = _rand(H)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    first = lower_score_mod(alibi)
+    traces = lowering_api.trace_count
+    start = time.perf_counter()
+    for _ in range(200):
+        again = lower_score_mod(alibi)
+    per_call = (time.perf_counter() - start) / 200
+    assert again is first and lowering_api.trace_count == traces
+    assert per_call < 5e-4, f"{per_call * 1e6:.0f} us per cached lowering"
+
+
+def test_mutating_a_capture_keeps_source_and_is_seen():
+    slopes = _rand(H)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    before = lower_score_mod(alibi)
+    assert_scores_match(alibi)
+    compiled = kcodegen.compile_count
+    slopes.mul_(-3.0).add_(1.0)
+    after = lower_score_mod(alibi)
+    assert after is before and after.key == before.key and after.source == before.source
+    assert_scores_match(alibi, seed=5)  # evaluation sees the new values
+    assert kcodegen.compile_count == compiled
+
+
+BIAS_GLOBAL = torch.zeros(H)
+
+
+def _global_bias_mod(score, b, h, q_idx, kv_idx):
+    return score + BIAS_GLOBAL[h]
+
+
+def test_rebinding_a_global_gives_new_capture_same_source():
+    global BIAS_GLOBAL
+    first = lower_score_mod(_global_bias_mod)
+    assert first.captured[0] is BIAS_GLOBAL
+    assert_scores_match(_global_bias_mod)
+    compiled = kcodegen.compile_count
+    BIAS_GLOBAL = _rand(H, seed=42)
+    second = lower_score_mod(_global_bias_mod)
+    assert second.captured[0] is BIAS_GLOBAL
+    assert second.source == first.source and second.key == first.key
+    assert_scores_match(_global_bias_mod)
+    assert kcodegen.compile_count == compiled  # same source: nothing recompiles
+
+
+def test_rebinding_a_closure_and_inner_mods_of_and_masks():
+    doc = torch.zeros(KV_LEN, dtype=torch.int64)
+    window = 4
+
+    def same_doc(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    def near(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() < window
+
+    combined = flexcore.and_masks(same_doc, near)
+    first = lower_mask_mod(combined)
+    assert_mask_matches(combined)
+    doc = torch.arange(KV_LEN) // 10  # a new tensor through the inner closure
+    second = lower_mask_mod(combined)
+    assert second.captured[0] is doc and second.source == first.source
+    assert_mask_matches(combined)
+    window = 9  # a scalar is part of the code: new source, correct result
+    third = lower_mask_mod(combined)
+    assert third.source != second.source and "9" in third.source
+    assert_mask_matches(combined)
+
+
+def test_new_capture_object_with_same_shape_reuses_source():
+    def make(slopes):
+        return lambda score, b, h, q_idx, kv_idx: score * slopes[h]
+
+    a, b = lower_score_mod(make(_rand(H, seed=1))), lower_score_mod(make(_rand(H, seed=2)))
+    assert a.captured[0] is not b.captured[0]
+    assert a.source == b.source and a.key == b.key
+
+
+def test_lowering_does_not_import_kernel_helpers():
+    # triton_helpers runs @triton.jit at import, so only generated kernel modules may import it
+    # (a subprocess would check this directly but costs seconds of torch import).
+    import ast
+    for path in (_ROOT / "flexcore" / "lowering").glob("*.py"):
+        if path.name == "triton_helpers.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert "triton_helpers" not in (node.module or ""), path
+                assert all(a.name != "triton_helpers" for a in node.names), path
+            elif isinstance(node, ast.Import):
+                assert all("triton_helpers" not in a.name for a in node.names), path
