@@ -55,8 +55,10 @@ def code_editor(annotations: list[dict] | None = None, height: int = 420) -> str
     else:
         from streamlit_ace import st_ace
 
+        # At Ace's default 14 px, Chromium clips underscores with DejaVu Sans Mono (the usual
+        # Linux monospace font): q_idx reads "q idx". 15 px draws them.
         value = st_ace(value=initial, language="python", theme="chrome", keybinding="vscode",
-                       font_size=14, tab_size=4, min_lines=18, auto_update=True, show_gutter=True,
+                       font_size=15, tab_size=4, min_lines=18, auto_update=True, show_gutter=True,
                        annotations=annotations or [], key=f"playground_ace_{version}")
     # Adopt the widget's value only when the user changed it, so code set through session_state
     # (tests, other pages) is never overwritten by a widget that has not seen it yet.

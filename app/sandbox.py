@@ -1,16 +1,19 @@
-"""Run the user's code first in a child process, with a time limit.
+"""Run the user's code first in a separate process, with a time limit.
 
 The Playground executes whatever the user types. Before the app runs it in its own process, a
-child process runs the code, lowers its mods (which traces them to a finite graph) and evaluates
+worker process runs the code, lowers its mods (which traces them to a finite graph) and evaluates
 them once over the problem's indices. A mod that never finishes, or that crashes the interpreter,
-then costs a killed child and an error message, never a frozen app.
+then costs a killed worker and an error message, never a frozen app.
 
-A spare child is started ahead of time so that its ``import torch`` is not paid on the user's
-clock; each child serves one request and exits, so nothing leaks between runs.
+A long-lived checker process imports torch and flexcore once, then forks one worker per request
+(a fresh copy of its warmed-up state, so nothing the user's code does leaks into the next run,
+and no request waits for ``import torch``).
 
-Protocol: the child prints ``READY``, reads one JSON request line from stdin, and prints one JSON
-result line: ``{"ok": true, "score_source": ..., "mask_source": ..., "tensors": [...]}`` or
-``{"ok": false, "problem": {...CodeProblem...}}``.
+Protocol on the checker's pipes: it prints ``READY``; for each JSON request line on stdin it
+prints ``PID <worker pid>``, the worker prints one JSON result line
+(``{"ok": true, "score_source": ..., "mask_source": ..., "tensors": [...]}`` or
+``{"ok": false, "problem": {...CodeProblem...}}``), and the checker prints ``DONE <status>`` once
+the worker has exited.
 """
 from __future__ import annotations
 
@@ -34,7 +37,8 @@ _STARTUP_TIMEOUT_S = 90.0
 _PROBE_ELEMENTS = 1 << 24
 
 _lock = threading.Lock()
-_spare: subprocess.Popen | None = None
+_server: subprocess.Popen | None = None
+_buffer = bytearray()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -50,21 +54,13 @@ def _spawn() -> subprocess.Popen:
                             env=env)
 
 
-def _take_worker() -> subprocess.Popen:
-    """The spare child (or a new one), and a new spare started behind it."""
-    global _spare
-    with _lock:
-        proc = _spare if _spare is not None and _spare.poll() is None else _spawn()
-        _spare = _spawn()
-    return proc
-
-
 def warm() -> None:
-    """Start the spare child now (at app start), so the first check does not wait for imports."""
-    global _spare
+    """Start the checker process now (at app start), so the first check does not wait for imports."""
+    global _server
     with _lock:
-        if _spare is None or _spare.poll() is not None:
-            _spare = _spawn()
+        if _server is None or _server.poll() is not None:
+            _buffer.clear()
+            _server = _spawn()
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -83,16 +79,16 @@ def _stop(proc: subprocess.Popen) -> None:
 
 @atexit.register
 def shutdown() -> None:
-    """Stop the spare child (at exit, and from tests)."""
-    global _spare
+    """Stop the checker process (at exit, and from tests)."""
+    global _server
     with _lock:
-        if _spare is not None:
-            _stop(_spare)
-            _spare = None
+        if _server is not None:
+            _stop(_server)
+            _server = None
 
 
 def _read_line(proc: subprocess.Popen, buffer: bytearray, deadline: float) -> bytes | None:
-    """One line from the child's stdout, or None if the deadline passes or the child exits."""
+    """One line from the process's stdout, or None if the deadline passes or it exits."""
     fd = proc.stdout.fileno()
     while b"\n" not in buffer:
         left = deadline - time.monotonic()
@@ -115,8 +111,15 @@ def _problem(kind: str, title: str, message: str, lineno=None, line=None) -> dic
                                      "lineno": lineno, "line": line, "op": None}}
 
 
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
 def check_code(code: str, shape: dict, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
-    """Run, lower and probe the user's code in a child process, stopping it after ``timeout_s``.
+    """Run, lower and probe the user's code in a worker process, stopping it after ``timeout_s``.
 
     Args:
         code: the editor's text.
@@ -124,45 +127,85 @@ def check_code(code: str, shape: dict, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
         timeout_s: seconds the code may run.
 
     Returns:
-        The child's JSON result (see the module docstring).
+        The worker's JSON result (see the module docstring).
     """
     from app.usercode import source_line
 
-    proc = _take_worker()
-    buffer = bytearray()
-    try:
-        if _read_line(proc, buffer, time.monotonic() + _STARTUP_TIMEOUT_S) != b"READY":
-            return _problem("internal", "The code checker did not start",
-                            "The child process that runs your code first could not start "
-                            f"(exit code {proc.poll()}). See the Environment page.")
-        request = json.dumps({"code": code, "shape": shape}) + "\n"
+    global _server
+    with _lock:
+        if _server is None or _server.poll() is not None:
+            _buffer.clear()
+            _server = _spawn()
+        proc = _server
+        if not getattr(proc, "flexlab_ready", False):
+            if _read_line(proc, _buffer, time.monotonic() + _STARTUP_TIMEOUT_S) != b"READY":
+                _stop(proc)
+                _server = None
+                return _problem("internal", "The code checker did not start",
+                                "The process that runs your code first could not start (exit code "
+                                f"{proc.poll()}). See the Environment page.")
+            proc.flexlab_ready = True
         try:
-            proc.stdin.write(request.encode())
+            proc.stdin.write((json.dumps({"code": code, "shape": shape}) + "\n").encode())
             proc.stdin.flush()
-        except BrokenPipeError:
-            return _problem("internal", "The code checker stopped", "The child process exited early.")
-        line = _read_line(proc, buffer, time.monotonic() + timeout_s)
-        if line is None and proc.poll() is None:
-            # Ask the child where it is; a loop inside one long C call cannot answer and is killed.
-            proc.send_signal(signal.SIGUSR1)
-            line = _read_line(proc, buffer, time.monotonic() + 1.0)
-            if line is not None:
-                return json.loads(line)
-            return _problem("timeout", f"Stopped after {timeout_s:g} s",
-                            f"The code was still running after {timeout_s:g} s (an endless loop, "
-                            "or work too large for this machine?). It was stopped; nothing ran in "
-                            "the app. Change it and run again.")
+        except (BrokenPipeError, OSError):
+            _stop(proc)
+            _server = None
+            return _problem("internal", "The code checker stopped", "It exited; try again.")
+        result = _exchange(proc, timeout_s)
+        if result is None:  # the checker itself is out of step or gone: start afresh next time
+            _stop(proc)
+            _server = None
+            return _problem("internal", "The code checker stopped",
+                            "It stopped answering; it will be restarted. Try again.")
+    if not result.get("ok") and result["problem"].get("lineno") and not result["problem"].get("line"):
+        result["problem"]["line"] = source_line(code, result["problem"]["lineno"])
+    return result
+
+
+def _exchange(proc: subprocess.Popen, timeout_s: float) -> dict | None:
+    """Collect ``PID``, the result and ``DONE`` for one request, stopping a worker that overruns."""
+    deadline = time.monotonic() + timeout_s
+    pid, result, status = None, None, None
+    timed_out = False
+    while status is None:
+        line = _read_line(proc, _buffer, deadline)
         if line is None:
-            code_ = proc.poll()
-            return _problem("internal", "The code crashed the checker process",
-                            f"The child process running your code exited with code {code_} "
-                            "(a crash in native code?). Nothing ran in the app.")
-        result = json.loads(line)
-        if not result.get("ok") and result["problem"].get("lineno") and not result["problem"].get("line"):
-            result["problem"]["line"] = source_line(code, result["problem"]["lineno"])
-        return result
-    finally:
-        _stop(proc)
+            if proc.poll() is not None:
+                return None
+            if pid is None or timed_out:
+                return None
+            # Ask the worker where it is; a loop inside one long C call cannot answer: kill it.
+            timed_out = True
+            _signal(pid, signal.SIGUSR1)
+            deadline = time.monotonic() + 1.0
+            answer = _read_line(proc, _buffer, deadline)
+            if answer is not None and answer.startswith(b"{"):
+                result = json.loads(answer)  # the worker answered and exits by itself
+            elif answer is not None and answer.startswith(b"DONE "):
+                status = answer
+                break
+            else:
+                _signal(pid, signal.SIGKILL)  # not reaped yet (no DONE), so the pid is still its
+            deadline = time.monotonic() + 10.0
+            continue
+        if line.startswith(b"PID "):
+            pid = int(line[4:])
+        elif line.startswith(b"DONE "):
+            status = line
+        elif line.startswith(b"{"):
+            result = json.loads(line)
+    if timed_out and (result is None or result.get("ok")):
+        return _problem("timeout", f"Stopped after {timeout_s:g} s",
+                        f"The code was still running after {timeout_s:g} s (an endless loop, or "
+                        "work too large for this machine?). It was stopped; nothing ran in the "
+                        "app. Change it and run again.")
+    if result is None:
+        return _problem("internal", "The code crashed the checker's worker",
+                        f"The process running your code ended without an answer "
+                        f"({status.decode().strip()}; a crash in native code?). Nothing ran in "
+                        "the app.")
+    return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,10 +216,14 @@ _CURRENT_CODE = {"text": ""}
 _CHANNEL = {"out": None}
 
 
-def _send(result: dict) -> None:
+def _send_line(text: str) -> None:
     out = _CHANNEL["out"] or sys.stdout
-    out.write(json.dumps(result) + "\n")
+    out.write(text + "\n")
     out.flush()
+
+
+def _send(result: dict) -> None:
+    _send_line(json.dumps(result))
 
 
 def _where_now(signum, frame) -> None:
@@ -266,24 +313,34 @@ def _warm_up() -> None:
 
 
 def _main() -> None:
-    import torch  # noqa: F401 - paid before READY, not on the user's clock
+    import torch
 
     from flexcore._runtime import prepare_triton
 
     prepare_triton()
+    # One thread: forking after OpenMP has started its thread pool can deadlock the worker.
+    torch.set_num_threads(1)
     _warm_up()
     # The user's print() calls (and native writes to fd 1) must not corrupt the protocol.
     _CHANNEL["out"] = os.fdopen(os.dup(1), "w")
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     sys.stdout = open(os.devnull, "w")
-    signal.signal(signal.SIGUSR1, _where_now)
-    _CHANNEL["out"].write("READY\n")
-    _CHANNEL["out"].flush()
-    line = sys.stdin.readline()
-    if not line:
-        return
-    _send(serve_one(json.loads(line)))
+    _send_line("READY")
+    while True:
+        line = sys.stdin.readline()
+        if not line:
+            return
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGUSR1, _where_now)
+            try:
+                _send(serve_one(json.loads(line)))
+            finally:
+                os._exit(0)
+        _send_line(f"PID {pid}")
+        _, status = os.waitpid(pid, 0)
+        _send_line(f"DONE {status}")
 
 
 if __name__ == "__main__":

@@ -125,13 +125,15 @@ def environment() -> dict:
     info: dict[str, Any] = {"mode": "GPU" if not lim.cpu_mode else "CPU",
                             "limits": lim.describe(), "python": platform.python_version(),
                             "torch": torch.__version__}
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError as e:
-        info["triton"] = f"missing ({e})"
-    import streamlit
-    info["streamlit"] = streamlit.__version__
+    import importlib.metadata
+
+    # Package metadata only: importing triton would run its @jit decorators before the
+    # interpreter is selected (see flexcore._runtime.prepare_triton).
+    for dist in ("triton", "streamlit", "plotly", "streamlit-ace"):
+        try:
+            info[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            info[dist] = "not installed"
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     try:
@@ -547,7 +549,15 @@ def results_root():
     """Where the workbench writes bench runs (git-ignored ``results/``)."""
     from pathlib import Path
 
-    return Path(sandbox.REPO_ROOT) / "results" / "workbench"
+    return results_dir() / "workbench"
+
+
+def results_dir():
+    """bench's results folder: ``$FLEXLAB_RESULTS_DIR``, else ``results/`` of the repository."""
+    import os
+    from pathlib import Path
+
+    return Path(os.environ.get("FLEXLAB_RESULTS_DIR") or Path(sandbox.REPO_ROOT) / "results")
 
 
 def _variant_file(code: str, shape: dict) -> str:
@@ -852,7 +862,7 @@ def discovered_results() -> dict[str, str]:
     """Result folders under ``results/`` (bench's default output): label -> path."""
     from pathlib import Path
 
-    root = Path(sandbox.REPO_ROOT) / "results"
+    root = results_dir()
     found = {}
     if root.is_dir():
         for path in sorted(root.rglob("results.json")):

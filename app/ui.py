@@ -121,9 +121,9 @@ def show_problem(problem: CodeProblem) -> None:
     if problem.op:
         text += f"\n\nOperation: `{problem.op}`"
     if problem.kind == "unavailable":
-        st.warning(text, icon="🚧")
+        st.warning(text, icon=":material/construction:")
     else:
-        st.error(text, icon="🛑")
+        st.error(text, icon=":material/error:")
 
 
 def annotations(problem: CodeProblem) -> list[dict]:
@@ -134,7 +134,7 @@ def annotations(problem: CodeProblem) -> list[dict]:
 
 
 def unavailable(feature: str, reason: str) -> None:
-    st.warning(f"**{feature} is unavailable here.** {reason}", icon="🚧")
+    st.warning(f"**{feature} is unavailable here.** {reason}", icon=":material/construction:")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +163,7 @@ def mismatch_warning(code: str, shape: dict) -> None:
         return
     if mismatch:
         st.warning("The code sets its own shape names: " + ", ".join(mismatch) + ". Its captured "
-                   "tensors follow the code; attention runs with the controls' shape.", icon="📐")
+                   "tensors follow the code; attention runs with the controls' shape.", icon=":material/straighten:")
 
 
 def block_map_panel(code: str, shape: dict, b: int, h: int) -> None:
@@ -242,10 +242,10 @@ def check_panel(code: str, shape: dict, b: int, h: int) -> None:
     st.session_state["pg_results_check"] = result["rows"]
     rows = result["rows"]
     if rows and all(r["passed"] for r in rows):
-        st.success("Check passed for " + ", ".join(r["dtype"] for r in rows) + ".", icon="✅")
+        st.success("Check passed for " + ", ".join(r["dtype"] for r in rows) + ".", icon=":material/check_circle:")
     elif rows:
         st.error("Check failed for " + ", ".join(r["dtype"] for r in rows if not r["passed"]) + ".",
-                 icon="❌")
+                 icon=":material/cancel:")
     st.dataframe([{"dtype": r["dtype"], "result": "pass" if r["passed"] else "FAIL",
                    "max |err|": f"{r['max_abs']:.3e}", "mean |err|": f"{r['mean_abs']:.3e}",
                    "torch max |err|": f"{r['torch_max_abs']:.3e}",
@@ -262,7 +262,7 @@ def benchmark_panel(code: str, shape: dict) -> None:
     lim = services.limits()
     if lim.cpu_mode:
         st.warning("CPU mode: these timings are of Triton's interpreter and eager CPU kernels and are "
-                   "**not representative** of GPU performance.", icon="⏱️")
+                   "**not representative** of GPU performance.", icon=":material/timer:")
     st.button("Benchmark", type="primary", key="pg_bench_btn",
               help="Time flexcore and every provider available on this machine")
     if st.session_state.get("pg_bench_btn"):
@@ -330,7 +330,7 @@ def gradients_panel(code: str, shape: dict) -> None:
         st.dataframe([{**r, **{k: f"{r[k]:.3e}" for k in ("max_abs", "mean_abs", "rel_fro")}}
                       for r in result["rows"]], hide_index=True, width="stretch")
     for note in result["notes"]:
-        st.info(note, icon="ℹ️")
+        st.info(note, icon=":material/info:")
 
 
 def export_panel(code: str, shape: dict) -> None:

@@ -127,15 +127,19 @@ def problem_from_exception(exc: BaseException, code: str, stage: str) -> CodePro
                  (errors.ControlFlowError, "control_flow", "Python control flow on a tensor"),
                  (errors.ModSignatureError, "signature", "Wrong mod signature"),
                  (errors.ModReturnError, "return", "Wrong return value")]
-        kind, title = "mod", "The mod cannot be lowered"
+        kind, title = "mod", "Error"
         for cls, k, t in kinds:
             if isinstance(exc, cls):
                 kind, title = k, t
                 break
+        message = getattr(exc, "message", None) or str(exc)
+        if kind == "mod" and "IndexError" in message:
+            kind, title = "shape", "Captured tensor indexed out of range"
+            message += (" Size captured tensors from the shape names (B, H, HKV, Q_LEN, KV_LEN), or "
+                        "change the shape controls.")
         lineno = exc.lineno if exc.filename == FILENAME else user_lineno(exc.__traceback__)
         if exc.mod_name:
             title = f"{title} in {exc.mod_name}"
-        message = getattr(exc, "message", None) or str(exc)
         return CodeProblem(kind, title, message, lineno, source_line(code, lineno), exc.op)
     if isinstance(exc, errors.InputError):
         lineno = user_lineno(exc.__traceback__)

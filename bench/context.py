@@ -23,12 +23,24 @@ class InputSet:
 
 @dataclass
 class Slice:
-    """One (batch, kv-head) slice of the problem: query heads ``h0 .. h0 + group``."""
+    """A block of the problem checked against float64: batches ``b .. b + nb`` and KV heads
+    ``kv_head .. kv_head + nkv`` with their query heads ``h0 .. h0 + nq`` (whole GQA groups, so that
+    dK and dV of the slice are complete)."""
 
     b: int
+    nb: int
     kv_head: int
+    nkv: int
     h0: int
-    group: int
+    nq: int
+
+    def q_part(self, t: torch.Tensor) -> torch.Tensor:
+        """The slice of a (B, Hq, ...) tensor."""
+        return t[self.b:self.b + self.nb, self.h0:self.h0 + self.nq]
+
+    def kv_part(self, t: torch.Tensor) -> torch.Tensor:
+        """The slice of a (B, Hkv, ...) tensor."""
+        return t[self.b:self.b + self.nb, self.kv_head:self.kv_head + self.nkv]
 
 
 @dataclass
@@ -87,10 +99,25 @@ class CaseContext:
         return self._cached("flex_block_mask", build)
 
     def density(self) -> float:
-        """Fraction of BLOCK_SIZE blocks computed (FLOP convention of ANCHORS.md)."""
+        """Fraction of BLOCK_SIZE blocks computed (FLOP convention of ANCHORS.md), from flexcore's
+        BlockMask, or torch's when flexcore cannot build one (so that other providers still get
+        their TFLOP/s)."""
         if self.mods.mask_mod is None:
             return 1.0
-        return self._cached("density", lambda: block_density(self.flex_block_mask()))
+
+        def build():
+            try:
+                return block_density(self.flex_block_mask())
+            except Exception:
+                from torch.nn.attention.flex_attention import create_block_mask
+
+                c = self.case
+                mb, mh = self.mask_dims()
+                return block_density(create_block_mask(
+                    self.mods.mask_mod, mb if mb > 1 else None, mh if mh > 1 else None, c.q_len,
+                    c.kv_len, device=self.device, BLOCK_SIZE=self.settings.block_size))
+
+        return self._cached("density", build)
 
     def flops(self) -> float:
         c = self.case
@@ -153,42 +180,47 @@ class CaseContext:
 
     # ---- the float64 golden ----------------------------------------------------------------
     def slices(self) -> list[Slice]:
-        """The (batch, kv-head) slices checked against float64: all of them when the problem is small
-        (``settings.ref_full_elements``) or ``ref_slices`` is 0, else ``ref_slices`` spread evenly."""
+        """The slices checked against float64: the whole problem when it is small (scores and
+        repeated K/V within ``settings.ref_full_elements``) or ``ref_slices`` is 0, else
+        ``ref_slices`` single (batch, kv-head) slices spread evenly."""
         c = self.case
         group = c.q_heads // c.kv_heads
         pairs = [(b, kvh) for b in range(c.batch) for kvh in range(c.kv_heads)]
         n = self.settings.ref_slices
-        small = c.batch * c.q_heads * c.q_len * c.kv_len <= self.settings.ref_full_elements
+        # The reference repeats K/V per query head and works in float64: bound that as well as
+        # the scores, or a long decode (B·Hq·Lk·D in float64) alone would fill the memory.
+        small = max(c.batch * c.q_heads * c.q_len * c.kv_len,
+                    c.batch * c.q_heads * c.kv_len * (c.head_dim + c.v_head_dim)) \
+            <= self.settings.ref_full_elements
         if n <= 0 or n >= len(pairs) or small:
-            chosen = pairs
-        else:
-            step = (len(pairs) - 1) / max(1, n - 1)
-            chosen = sorted({pairs[round(i * step)] for i in range(n)})
-        return [Slice(b, kvh, kvh * group, group) for b, kvh in chosen]
+            return [Slice(0, c.batch, 0, c.kv_heads, 0, c.q_heads)]
+        step = (len(pairs) - 1) / max(1, n - 1)
+        chosen = sorted({pairs[round(i * step)] for i in range(n)})
+        return [Slice(b, 1, kvh, 1, kvh * group, group) for b, kvh in chosen]
 
     def coverage(self) -> str:
         """Text for the results: which part of the output the errors are computed on."""
-        c = self.case
         slices = self.slices()
-        if len(slices) == c.batch * c.kv_heads:
+        c = self.case
+        if len(slices) == 1 and slices[0].nb == c.batch and slices[0].nq == c.q_heads:
             return "all"
-        return ";".join(f"b{s.b}/h{s.h0}:{s.h0 + s.group}" for s in slices)
+        return ";".join(f"b{s.b}/h{s.h0}:{s.h0 + s.nq}" for s in slices)
 
     def slice_mods(self, s: Slice) -> Mods:
         return offset_indices(self.mods, b0=s.b, h0=s.h0)
 
     def slice_tensors(self, s: Slice, q, k, v):
-        return (q[s.b:s.b + 1, s.h0:s.h0 + s.group], k[s.b:s.b + 1, s.kv_head:s.kv_head + 1],
-                v[s.b:s.b + 1, s.kv_head:s.kv_head + 1])
+        return s.q_part(q), s.kv_part(k), s.kv_part(v)
 
     def slice_block_mask(self, s: Slice, mods: Mods):
         if mods.mask_mod is None:
             return None
         from flexcore import create_block_mask
 
-        return create_block_mask(mods.mask_mod, None, s.group, self.case.q_len, self.case.kv_len,
-                                 device=self.device, BLOCK_SIZE=self.settings.block_size)
+        mb, mh = self.mask_dims()
+        return create_block_mask(mods.mask_mod, s.nb if mb > 1 else None, s.nq if mh > 1 else None,
+                                 self.case.q_len, self.case.kv_len, device=self.device,
+                                 BLOCK_SIZE=self.settings.block_size)
 
     def correctness_dout(self) -> torch.Tensor | None:
         """The output gradient of the correctness run: zero outside the checked slices, so that every
@@ -198,12 +230,11 @@ class CaseContext:
 
         def build():
             dout = self.inputs[0].dout
-            slices = self.slices()
-            if len(slices) == self.case.batch * self.case.kv_heads:
+            if self.coverage() == "all":
                 return dout
             masked = torch.zeros_like(dout)
-            for s in slices:
-                masked[s.b, s.h0:s.h0 + s.group] = dout[s.b, s.h0:s.h0 + s.group]
+            for s in self.slices():
+                s.q_part(masked).copy_(s.q_part(dout))
             return masked
 
         return self._cached("correctness_dout", build)
@@ -233,9 +264,9 @@ class CaseContext:
                     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
                 out = flex_attention_reference(q, k, v, score_mod=mods.score_mod,
                                                block_mask=self.slice_block_mask(s, mods),
-                                               enable_gqa=s.group > 1, upcast=upcast)
+                                               enable_gqa=s.nq != s.nkv, upcast=upcast)
                 if self.needs_grad:
-                    g = dout[s.b:s.b + 1, s.h0:s.h0 + s.group].to(out.dtype)
+                    g = s.q_part(dout).to(out.dtype)
                     grads = torch.autograd.grad(out, [q, k, v, *learnable], g, allow_unused=True)
                     for name, grad in zip(("dq", "dk", "dv"), grads[:3]):
                         result[name].append(grad.detach())
@@ -264,7 +295,9 @@ def make_context(case: Case, settings: Settings, device: torch.device, n_sets: i
     if c.pass_ == "decode":
         mods = offset_indices(mods, q0=c.kv_len - c.q_len)
     ctx = CaseContext(c, settings, device, mods)
-    gen = torch.Generator(device="cpu").manual_seed(settings.seed + _stable_hash(c.case_id))
+    # Seeded per case; on the GPU the generator lives there (CPU randn of 65k-token KV is slow).
+    gen_device = device if device.type == "cuda" else torch.device("cpu")
+    gen = torch.Generator(device=gen_device).manual_seed(settings.seed + _stable_hash(c.case_id))
     dtype = c.torch_dtype()
     set_bytes = (c.batch * c.q_heads * c.q_len * c.head_dim + c.batch * c.kv_heads * c.kv_len
                  * (c.head_dim + c.v_head_dim)) * torch.tensor([], dtype=dtype).element_size()
@@ -272,7 +305,8 @@ def make_context(case: Case, settings: Settings, device: torch.device, n_sets: i
         n_sets = rotation_sets(set_bytes, device)
 
     def randn(*shape):
-        return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+        return torch.randn(*shape, generator=gen, device=gen_device, dtype=torch.float32).to(
+            device=device, dtype=dtype)
 
     for _ in range(n_sets):
         q = randn(c.batch, c.q_heads, c.q_len, c.head_dim)

@@ -15,7 +15,7 @@ import sys
 PROVIDERS = ["flexlab", "torch_flex", "sdpa_flash", "sdpa_cudnn"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.forward", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="results/forward", help="output folder")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run")
@@ -23,19 +23,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", action="store_true", help="also run the decode rows")
     parser.add_argument("--variants", help="comma-separated subset of the anchor variants")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
-    parser.add_argument("--max-minutes", type=float, default=0.0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--max-minutes", type=float, default=0.0,
+                        help="stop starting cases after this long (then --resume)")
+    return parser
 
-    from bench import runner
+
+def build(args):
+    """The grid: the anchors preset, forward (and decode) only, on the chosen providers."""
     from bench.__main__ import _csv, _variants
     from bench.grid import build_grid, load_config
-    from bench.report import print_summary
 
     passes = ["fwd", "decode"] if args.decode else ["fwd"]
-    grid = build_grid(load_config("anchors"), "anchors-forward", variants=_variants(args.variants),
+    return build_grid(load_config("anchors"), "anchors-forward", variants=_variants(args.variants),
                       passes=passes, providers=_csv(args.providers),
                       settings={"max_minutes": args.max_minutes})
-    path = runner.run(grid, args.out, resume=args.resume, force=args.force)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from bench import runner
+    from bench.report import print_summary
+
+    path = runner.run(build(args), args.out, resume=args.resume, force=args.force)
     print_summary(path)
     return 0
 

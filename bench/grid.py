@@ -24,7 +24,6 @@ import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from bench.flops import PASS_FACTORS
 
@@ -94,7 +93,7 @@ class Settings:
     max_reps: int = 200
     cpu_reps: int = 5  #: wall-clock repetitions on the CPU (the interpreter is slow)
     ref_slices: int = 2  #: (batch, kv-head) slices checked against fp64; 0 checks them all
-    ref_full_elements: int = 1 << 26  #: check all slices when B·Hq·Lq·Lk is at most this
+    ref_full_elements: int = 1 << 26  #: check it all when B·Hq·Lq·Lk and B·Hq·Lk·(D+Dv) are ≤ this
     mask_budget_gb: float = 16.0  #: largest dense mask/bias materialised for SDPA, in GiB
     block_size: int = 128  #: BlockMask block size (FLOP density counts these blocks)
     seed: int = 0

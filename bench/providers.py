@@ -287,22 +287,22 @@ def _sdpa(q, k, v, mask, is_causal, gqa, backend):
 
 
 def sdpa_reference(ctx: CaseContext, q, k, v, mods, grad: bool = False):
-    """SDPA math on a slice (1, group, L, D) with the slice's mods made dense: the same-dtype baseline.
+    """SDPA math on a slice (nb, nq, L, D) with the slice's mods made dense: the same-dtype baseline.
 
     Raises NotExpressible when no dense mask or bias can express the mods.
     """
     from torch.nn.attention import SDPBackend
 
     c = ctx.case
-    group = q.shape[1]
+    nb, nq = q.shape[0], q.shape[1]
     trivial = ctx.score_is_trivial()
     if mods.score_mod is None or trivial:
         mask = None if mods.mask_mod is None else dense.dense_mask(
-            mods.mask_mod, 1, group, c.q_len, c.kv_len, ctx.device)
+            mods.mask_mod, nb, nq, c.q_len, c.kv_len, ctx.device)
     else:
-        mask = dense.dense_bias(mods.score_mod, mods.mask_mod, 1, group, c.q_len, c.kv_len, ctx.device,
+        mask = dense.dense_bias(mods.score_mod, mods.mask_mod, nb, nq, c.q_len, c.kv_len, ctx.device,
                                 q.dtype, grad=grad)
-    return _sdpa(q, k, v, mask, False, group != k.shape[1], SDPBackend.MATH)
+    return _sdpa(q, k, v, mask, False, nq != k.shape[1], SDPBackend.MATH)
 
 
 class SDPAMath(SDPAProvider):

@@ -165,7 +165,6 @@ def error_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[st
     rows = []
     for key in keys:
         for s in sources:
-            base = cells.get((s.label, key, "baseline"))
             for p in ["baseline"] + providers:
                 cell = cells.get((s.label, key, p))
                 if cell is None or (cell.status != "ok" and p != "baseline"):
@@ -186,7 +185,6 @@ def error_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[st
                 rows.append([s.label, key[0], _shape_text(key), key[2], key[1], p,
                              _fmt(m.get("out_max_abs")), _fmt(m.get("out_rel_fro")),
                              _fmt(m.get("out_tolerance")), _fmt(max(grad_rel)) if grad_rel else "—", verdict])
-            del base
     return header, rows
 
 
@@ -206,6 +204,8 @@ def speedups(sources, cells, keys, providers, baseline) -> dict:
     for p_name in ("fwd", "fwd_bwd", "decode"):
         for s in sources:
             for prov in providers:
+                if prov == baseline:
+                    continue  # 1 by definition: the line at 1 shows it
                 per_variant = defaultdict(list)
                 for key in keys:
                     if key[1] != p_name:
@@ -261,7 +261,19 @@ def html_table(header: list[str], rows: list[list[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def _png_figures(speed, series, baseline, fig_dir: Path) -> list[Path]:
+_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+            "#bcbd22", "#17becf"]
+
+
+def _colors(names) -> dict:
+    """One colour per provider (or line label), the same in every figure."""
+    out = {}
+    for name in names:
+        out.setdefault(name, _PALETTE[len(out) % len(_PALETTE)])
+    return out
+
+
+def _png_figures(speed, series, baseline, fig_dir: Path, colors: dict) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -278,7 +290,9 @@ def _png_figures(speed, series, baseline, fig_dir: Path) -> list[Path]:
         for i, bar in enumerate(bars):
             xs = [j + i * width for j in range(len(variants))]
             ys = [per_variant[v].get(bar, float("nan")) for v in variants]
-            ax.bar(xs, ys, width, label=f"{bar[1]} [{bar[0]}]" if len({b[0] for b in bars}) > 1 else bar[1])
+            multi = len({b[0] for b in bars}) > 1
+            ax.bar(xs, ys, width, label=f"{bar[1]} [{bar[0]}]" if multi else bar[1],
+                   color=colors.get(bar[1]), hatch="//" if multi and bar[0] != bars[0][0] else None)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([j + width * (len(bars) - 1) / 2 for j in range(len(variants))])
         ax.set_xticklabels(variants, rotation=30, ha="right", fontsize=8)
@@ -298,9 +312,11 @@ def _png_figures(speed, series, baseline, fig_dir: Path) -> list[Path]:
         cols = min(3, n)
         rows = math.ceil(n / cols)
         fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
+        line_colors = _colors(label for lines in per_variant.values() for label in lines)
         for ax, (variant, lines) in zip(axes.flat, per_variant.items()):
             for label, points in lines.items():
-                ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label)
+                ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=label,
+                        color=line_colors[label])
             ax.set_xscale("log", base=2)
             ax.set_title(variant, fontsize=9)
             ax.set_xlabel("KV length")
@@ -317,7 +333,7 @@ def _png_figures(speed, series, baseline, fig_dir: Path) -> list[Path]:
     return paths
 
 
-def _plotly_figures(speed, series, baseline) -> list[str] | None:
+def _plotly_figures(speed, series, baseline, colors: dict) -> list[str] | None:
     """HTML fragments of the plotly figures (plotly.js inlined once), or None without plotly."""
     try:
         import plotly.graph_objects as go
@@ -332,9 +348,11 @@ def _plotly_figures(speed, series, baseline) -> list[str] | None:
         bars = sorted({k for v in per_variant.values() for k in v})
         multi = len({b[0] for b in bars}) > 1
         fig = go.Figure()
+        sources = sorted({b[0] for b in bars})
         for bar in bars:
             fig.add_bar(name=f"{bar[1]} [{bar[0]}]" if multi else bar[1], x=variants,
-                        y=[per_variant[v].get(bar) for v in variants])
+                        y=[per_variant[v].get(bar) for v in variants], marker_color=colors.get(bar[1]),
+                        marker_pattern_shape="/" if multi and bar[0] != sources[0] else "")
         fig.add_hline(y=1.0, line_color="black", line_width=1)
         fig.update_layout(title=f"Speed-up over {baseline} (geometric mean over shapes), "
                                 f"{PASS_LABELS.get(p_name, p_name)}", barmode="group",
@@ -348,15 +366,14 @@ def _plotly_figures(speed, series, baseline) -> list[str] | None:
         cols = min(3, n)
         rows = math.ceil(n / cols)
         fig = make_subplots(rows=rows, cols=cols, subplot_titles=list(per_variant))
-        colors = {}
-        palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-                   "#7f7f7f", "#bcbd22", "#17becf"]
+        line_colors = _colors(label for lines in per_variant.values() for label in lines)
+        shown = set()
         for i, (variant, lines) in enumerate(per_variant.items()):
             for label, points in lines.items():
-                color = colors.setdefault(label, palette[len(colors) % len(palette)])
                 fig.add_scatter(x=[x for x, _ in points], y=[y for _, y in points], mode="lines+markers",
-                                name=label, legendgroup=label, showlegend=label not in colors or i == 0,
-                                line_color=color, row=i // cols + 1, col=i % cols + 1)
+                                name=label, legendgroup=label, showlegend=label not in shown,
+                                line_color=line_colors[label], row=i // cols + 1, col=i % cols + 1)
+                shown.add(label)
         fig.update_xaxes(type="log", title_text="KV length")
         fig.update_yaxes(title_text="TFLOP/s")
         fig.update_layout(title=f"TFLOP/s against sequence length, {PASS_LABELS.get(p_name, p_name)}",
@@ -400,6 +417,8 @@ def write_report(results, out_dir, *, force: bool = False, labels=None, baseline
     series = tflops_series(sources, cells, keys, providers)
     s_header, s_rows = summary_rows(sources, cells, keys, providers)
     e_header, e_rows = error_rows(sources, cells, keys, providers)
+    if len(sources) == 1:  # one run: the source column says nothing
+        e_header, e_rows = e_header[1:], [r[1:] for r in e_rows]
     st_header, st_rows = status_rows(sources, cells, keys, providers)
     written = []
 
@@ -408,7 +427,8 @@ def write_report(results, out_dir, *, force: bool = False, labels=None, baseline
     _write_combined_csv(csv_path, combined)
     written.append(csv_path)
 
-    pngs = _png_figures(speed, series, base, fig_dir)
+    colors = _colors(providers)
+    pngs = _png_figures(speed, series, base, fig_dir, colors)
     written += pngs
 
     title = "flexlab benchmark: " + " vs ".join(s.label for s in sources)
@@ -422,7 +442,7 @@ def write_report(results, out_dir, *, force: bool = False, labels=None, baseline
     _write_text(md_path, "\n".join(md))
     written.append(md_path)
 
-    fragments = _plotly_figures(speed, series, base)
+    fragments = _plotly_figures(speed, series, base, colors)
     if fragments is None:
         fragments = [f'<img alt="{html.escape(p.stem)}" src="data:image/png;base64,'
                      f'{base64.b64encode(p.read_bytes()).decode()}">' for p in pngs]

@@ -27,7 +27,7 @@ import torch
 
 from bench import env as env_mod
 from bench import providers as prov
-from bench.context import CaseContext, make_context
+from bench.context import CaseContext, Slice, make_context
 from bench.grid import Case, Grid
 from bench.timing import peak_memory, time_call, time_first_call
 
@@ -292,7 +292,7 @@ class CaseRunner:
                         t.requires_grad_(True)
                 out = prov.sdpa_reference(ctx, q, k, v, mods, grad=bool(learnable) and ctx.needs_grad)
                 if ctx.needs_grad:
-                    g = dout[s.b:s.b + 1, s.h0:s.h0 + s.group]
+                    g = s.q_part(dout)
                     grads = torch.autograd.grad(out, [q, k, v, *learnable], g, allow_unused=True)
                     for key, grad in zip(("dq", "dk", "dv"), grads[:3]):
                         result[key].append(grad)
@@ -306,6 +306,12 @@ class CaseRunner:
 
     # ---- one provider ----
     def _provider(self, name: str):
+        try:
+            self._run_provider(name)
+        except Exception as exc:  # a bug in one provider must not lose the rest of the run
+            self._error(name, "unexpected", exc)
+
+    def _run_provider(self, name: str):
         ctx, c = self.ctx, self.case
         ok, why = self.availability.get(name, (False, "unknown provider"))
         if not ok:
@@ -444,8 +450,8 @@ class CaseRunner:
                 continue
             if key in ("out", "dq", "dk", "dv"):
                 full = parts[key]
-                slices = ([full[s.b:s.b + 1, s.h0:s.h0 + s.group] for s in ctx.slices()] if key in ("out", "dq")
-                          else [full[s.b:s.b + 1, s.kv_head:s.kv_head + 1] for s in ctx.slices()])
+                part = Slice.q_part if key in ("out", "dq") else Slice.kv_part
+                slices = [part(s, full) for s in ctx.slices()]
                 ref = golden[key]
             else:
                 i = self._cap_index(key)

@@ -12,6 +12,8 @@ from torch import Tensor
 from flexcore._types import MaskMod, ScoreMod
 from flexcore.errors import InputError
 
+__all__ = ["offset_mask_mod", "offset_score_mod"]
+
 
 def _check_offset(offset) -> Tensor:
     if not isinstance(offset, Tensor):

@@ -218,13 +218,11 @@ class PagedAttention:
 
     # -- attention -------------------------------------------------------------------------------
 
-    def _batch_rows(self, batch_idx, n: int | None, what: str) -> Tensor | None:
+    def _batch_rows(self, batch_idx, what: str) -> Tensor | None:
+        """batch_idx as a device tensor of page-table rows, each checked to hold pages."""
         if batch_idx is None:
             return None
         batches = _int_list(batch_idx, "batch_idx")
-        if n is not None and len(batches) != n:
-            raise InputError(f"{what}: batch_idx has {len(batches)} entries but the BlockMask has "
-                             f"batch {n}")
         for b in batches:
             if not 0 <= b < self.max_batch_size:
                 raise InputError(f"{what}: batch_idx {b} is out of range [0, {self.max_batch_size})")
@@ -253,8 +251,14 @@ class PagedAttention:
             kv_len: optional (B,) int tensor of valid lengths.
             batch_idx: optional (B,) tensor mapping the mask's batch ``b`` to the page-table row
                 (default: ``b`` is the row itself).
+
+        Example:
+            >>> bm = create_block_mask(paged.get_mask_mod(causal), B, None, 1, n_pages * page_size,
+            ...                        BLOCK_SIZE=page_size)
         """
-        rows = self._batch_rows(batch_idx, None, "get_mask_mod")
+        return self._wrap_mask(mask_mod, kv_len, self._batch_rows(batch_idx, "get_mask_mod"))
+
+    def _wrap_mask(self, mask_mod, kv_len, rows) -> MaskMod:
         name = getattr(mask_mod, "__name__", "noop") if mask_mod is not None else "noop"
 
         def paged_mask(b, h, q_idx, kv_idx):
@@ -281,7 +285,7 @@ class PagedAttention:
             score_mod: ``(score, b, h, q_idx, kv_idx) -> score`` in logical positions, or None.
             kv_len, batch_idx: as in :meth:`get_mask_mod`.
         """
-        rows = self._batch_rows(batch_idx, None, "get_score_mod")
+        rows = self._batch_rows(batch_idx, "get_score_mod")
         if score_mod is None and kv_len is None:
             def paged_identity(score, b, h, q_idx, kv_idx):
                 return score
@@ -304,61 +308,84 @@ class PagedAttention:
                                    kv_len: Tensor | None = None):
         """A BlockMask over the physical cache from one over logical positions.
 
-        Key-block indices become physical pages (blocks a sequence has not reserved are dropped),
-        the mask_mod is wrapped with :meth:`get_mask_mod`, and seq_lengths become
-        ``(Q_LEN, n_pages * page_size)``: the length of ``k_cache``.
+        Key-block indices become physical pages, the mask_mod is wrapped with :meth:`get_mask_mod`,
+        and seq_lengths become ``(Q_LEN, n_pages * page_size)``: the length of ``k_cache``. Logical
+        positions at or past the mask's KV_LEN (or ``kv_len[b]``) are never attended: blocks past
+        them are dropped, a full block that straddles them becomes partial, and so are blocks the
+        sequence has not reserved.
 
         Args:
             block_mask: logical :class:`flexcore.BlockMask` whose key BLOCK_SIZE equals page_size;
                 its batch is 1 or len(batch_idx).
             batch_idx: (B,) page-table rows of the mask's batches (default ``arange(B)``).
-            kv_len: optional (B,) valid logical lengths, see :meth:`get_mask_mod`.
+            kv_len: optional (B,) valid logical lengths (default: the mask's KV_LEN for all).
 
         Returns:
-            BlockMask with tables (B, H, Q_BLOCKS, n_pages).
+            BlockMask with tables (B, H, Q_BLOCKS, n_pages), listing physical pages.
+
+        Example:
+            >>> logical = create_block_mask(causal_at_pos, B, None, 1, max_len, BLOCK_SIZE=(128, 128))
+            >>> physical = paged.convert_logical_block_mask(logical, batch_idx=torch.arange(B))
         """
         from flexcore.blockmask import BlockMask
 
         if not isinstance(block_mask, BlockMask):
             raise InputError(f"block_mask must be a flexcore.BlockMask; got {type(block_mask).__name__}")
-        q_block, kv_block = block_mask.BLOCK_SIZE
-        if kv_block != self.page_size:
-            raise InputError(f"block_mask has key BLOCK_SIZE {kv_block} but page_size is {self.page_size}: "
+        q_block, page = block_mask.BLOCK_SIZE
+        if page != self.page_size:
+            raise InputError(f"block_mask has key BLOCK_SIZE {page} but page_size is {self.page_size}: "
                              f"they must be equal. Build the logical mask with create_block_mask(..., "
                              f"BLOCK_SIZE=({q_block}, {self.page_size}))")
         Bm, H, R, C = block_mask.kv_indices.shape
-        if batch_idx is None:
-            batch_idx = torch.arange(Bm)
-        rows = self._batch_rows(batch_idx, None, "convert_logical_block_mask")
+        rows = self._batch_rows(torch.arange(Bm) if batch_idx is None else batch_idx,
+                                "convert_logical_block_mask")
         B = rows.shape[0]
         if Bm not in (1, B):
             raise InputError(f"convert_logical_block_mask: block_mask has batch {Bm} but batch_idx has "
                              f"{B} entries; they must match (or the mask's batch be 1)")
-        page_table = self.page_table[rows]  # (B, n_pages), a snapshot: convert again after reserve
+        logical_len = block_mask.seq_lengths[1]
+        if kv_len is None:
+            bound = torch.full((B,), logical_len, dtype=torch.int64, device=self.device)
+        else:
+            if not isinstance(kv_len, Tensor) or tuple(kv_len.shape) != (B,):
+                raise InputError(f"kv_len must be a ({B},) int tensor (one length per batch); got "
+                                 f"{tuple(kv_len.shape) if isinstance(kv_len, Tensor) else type(kv_len).__name__}")
+            bound = kv_len.to(self.device, torch.int64).clamp(max=logical_len)
 
-        def convert(num: Tensor, idx: Tensor):
-            device = idx.device
-            num = num.expand(B, H, R).to(self.device)
-            idx = idx.expand(B, H, R, C).to(self.device).long()
-            in_table = idx < self.n_pages  # logical blocks past n_pages can never be reserved
-            table = page_table[:, None, None, :].expand(B, H, R, self.n_pages)
-            pages = torch.gather(table, 3, idx.clamp(0, self.n_pages - 1))
-            listed = torch.arange(C, device=self.device) < num[..., None]
-            keep = listed & in_table & (pages >= 0)
-            # Kept pages first, increasing (the BlockMask layout); the rest become padding.
-            key = torch.where(keep, pages, self.n_pages).sort(dim=-1).values
-            width = min(C, self.n_pages)
-            new_idx = torch.zeros(B, H, R, self.n_pages, dtype=torch.int32, device=self.device)
-            new_idx[..., :width] = torch.where(key < self.n_pages, key, 0)[..., :width].to(torch.int32)
-            return keep.sum(-1).to(torch.int32).to(device), new_idx.to(device)
+        # Dense (B, H, R, C) maps of the listed logical blocks, then the physical page of each column.
+        cols = torch.arange(C, device=self.device)
 
-        num, idx = convert(block_mask.kv_num_blocks, block_mask.kv_indices)
-        full_num = full_idx = None
-        if block_mask.full_kv_num_blocks is not None:
-            full_num, full_idx = convert(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-        identity_rows = bool(torch.equal(rows.cpu(), torch.arange(B)))
-        mask_mod = self.get_mask_mod(block_mask.mask_mod, kv_len,
-                                     batch_idx=None if identity_rows else rows)
+        def dense(num, idx):
+            num = num.to(self.device).expand(B, H, R)
+            idx = idx.to(self.device).expand(B, H, R, C).long()
+            target = torch.where(cols < num[..., None], idx, C)  # column C is a discard slot
+            out = torch.zeros(B, H, R, C + 1, dtype=torch.bool, device=self.device)
+            return out.scatter_(-1, target, True)[..., :C]
+
+        partial = dense(block_mask.kv_num_blocks, block_mask.kv_indices)
+        full = (dense(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+                if block_mask.full_kv_num_blocks is not None else torch.zeros_like(partial))
+        pages = torch.full((B, C), -1, dtype=torch.int64, device=self.device)
+        width = min(C, self.n_pages)
+        pages[:, :width] = self.page_table[rows, :width]  # a snapshot: convert again after reserve
+        live = (pages >= 0) & (cols * page < bound[:, None])  # reserved, and starts before the bound
+        whole = (cols + 1) * page <= bound[:, None]            # ends before the bound
+        partial = (partial | (full & ~whole[:, None, None, :])) & live[:, None, None, :]
+        full = full & (live & whole)[:, None, None, :]
+
+        def listing(block_map):
+            # Listed pages first, increasing (the BlockMask layout), padded with zeros to n_pages.
+            key = torch.where(block_map, pages[:, None, None, :], self.n_pages).sort(dim=-1).values
+            key = key[..., :min(C, self.n_pages)]
+            idx = torch.zeros(B, H, R, self.n_pages, dtype=torch.int32, device=self.device)
+            idx[..., :key.shape[-1]] = torch.where(key < self.n_pages, key, 0).to(torch.int32)
+            device = block_mask.kv_indices.device
+            return block_map.sum(-1).to(torch.int32).to(device), idx.to(device)
+
+        num, idx = listing(partial)
+        full_num, full_idx = listing(full) if block_mask.full_kv_num_blocks is not None else (None, None)
+        identity_rows = torch.equal(rows.cpu(), torch.arange(B))
+        mask_mod = self._wrap_mask(block_mask.mask_mod, bound, None if identity_rows else rows)
         return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, block_mask.BLOCK_SIZE, mask_mod,
-                                        seq_lengths=(block_mask.seq_lengths[0], self.n_pages * self.page_size),
+                                        seq_lengths=(block_mask.seq_lengths[0], self.n_pages * page),
                                         compute_q_blocks=False)

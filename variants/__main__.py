@@ -83,6 +83,7 @@ def show(name: str, params: dict, seq_len: int, out: str | Path, kv_len: int | N
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.colors import ListedColormap
+    from matplotlib.ticker import MaxNLocator
 
     from flexcore import create_mask, noop_mask
 
@@ -116,6 +117,8 @@ def show(name: str, params: dict, seq_len: int, out: str | Path, kv_len: int | N
         image = axes[2].imshow(bias.numpy(), cmap="viridis", interpolation="nearest")
         axes[2].set_title(f"score_mod(0, b={b}, h={h}, q, kv)")
         figure.colorbar(image, ax=axes[2], fraction=0.046)
+    axes[1].xaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
     for axis in axes:
         axis.set_xlabel("kv_idx" if axis is not axes[1] else "kv block")
         axis.set_ylabel("q_idx" if axis is not axes[1] else "q block")

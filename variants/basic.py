@@ -1,7 +1,5 @@
-"""Full and causal attention: the two masks every other variant starts from (Vaswani et al., 2017)."""
+"""Full and causal attention, the masks every other variant starts from (Vaswani et al.)."""
 from __future__ import annotations
-
-import torch
 
 from flexcore import noop_mask
 from variants.core import Mods, Reference, Variant

@@ -182,7 +182,8 @@ def _t5(shape, num_buckets, max_distance, bidirectional, init_std, seed):
 
 def _sandwich(shape, dim):
     table = sandwich_table(shape.Q_LEN, shape.KV_LEN, dim, shape.device)
-    return Mods(score_mod=generate_sandwich_bias(table, shape.Q_LEN, dim), captured={"table": table})
+    return Mods(score_mod=generate_sandwich_bias(table, shape.Q_LEN, dim),
+                captured={"table": table})
 
 
 def _kerple(shape, r1_init, r2_init):

@@ -33,7 +33,7 @@ with run_col:
             except services.Unavailable as e:
                 ui.unavailable("Running presets", str(e))
             except Exception as e:  # noqa: BLE001 - a failed run is reported, the page stays
-                st.error(f"The run failed: {type(e).__name__}: {e}", icon="🛑")
+                st.error(f"The run failed: {type(e).__name__}: {e}", icon=":material/error:")
             bar.empty()
 
 with load_col:
@@ -48,7 +48,7 @@ with load_col:
             except services.Unavailable as e:
                 ui.unavailable("Loading results", str(e))
             except Exception as e:  # noqa: BLE001
-                st.error(str(e), icon="🛑")
+                st.error(str(e), icon=":material/error:")
     found = services.discovered_results()
     if found:
         pick = st.multiselect("…or runs found under results/", list(found), key="bm_found")
@@ -57,10 +57,10 @@ with load_col:
                 try:
                     runs[label] = services.load_results_path(found[label])
                 except Exception as e:  # noqa: BLE001
-                    st.error(f"{label}: {e}", icon="🛑")
+                    st.error(f"{label}: {e}", icon=":material/error:")
 
 if not runs:
-    st.info("Run a preset or load result files to see plots.", icon="📊")
+    st.info("Run a preset or load result files to see plots.", icon=":material/bar_chart:")
     st.stop()
 
 st.divider()
@@ -102,4 +102,4 @@ if all(paths):
     except services.Unavailable as e:
         ui.unavailable("Report export", str(e))
     except Exception as e:  # noqa: BLE001
-        st.error(f"The report failed: {type(e).__name__}: {e}", icon="🛑")
+        st.error(f"The report failed: {type(e).__name__}: {e}", icon=":material/error:")

@@ -10,9 +10,9 @@ lim = services.limits()
 info = services.environment()
 
 if lim.cpu_mode:
-    st.info(lim.describe(), icon="💻")
+    st.info(lim.describe(), icon=":material/computer:")
 else:
-    st.success(f"{lim.describe()} Device: {info.get('gpu', 'cuda')}.", icon="🚀")
+    st.success(f"{lim.describe()} Device: {info.get('gpu', 'cuda')}.", icon=":material/rocket_launch:")
 
 c1, c2, c3, c4 = st.columns(4)
 c1.metric("Mode", info["mode"])
@@ -26,7 +26,7 @@ try:
     st.dataframe([{"provider": r["name"], "available": "yes" if r["available"] else "no",
                    "detail / why not": r["reason"]} for r in rows], hide_index=True, width="stretch")
 except services.Unavailable as e:
-    st.warning(f"The provider list is unavailable: {e}", icon="🚧")
+    st.warning(f"The provider list is unavailable: {e}", icon=":material/construction:")
 
 st.subheader("Versions and machine")
 details = {"python": info["python"], **info.get("bench_env", {})}

@@ -55,7 +55,7 @@ with view_col:
         ui.unavailable("The preview", str(e))
         view = None
     except Exception as e:  # noqa: BLE001 - a parameter setting the variant rejects
-        st.error(f"{type(e).__name__}: {e}", icon="🛑")
+        st.error(f"{type(e).__name__}: {e}", icon=":material/error:")
         view = None
     if view is not None:
         m = view["mask"]
@@ -78,10 +78,10 @@ st.markdown(f"**Source** at the Playground's shape (B={shape['B']}, H={shape['Hq
 try:
     source = services.variant_source(name, params, shape)
 except Exception as e:  # noqa: BLE001
-    st.error(f"{type(e).__name__}: {e}", icon="🛑")
+    st.error(f"{type(e).__name__}: {e}", icon=":material/error:")
     source = None
 if source is not None:
-    if st.button("Open in Playground", type="primary", icon="↗", key="gallery_open"):
+    if st.button("Open in Playground", type="primary", icon=":material/open_in_new:", key="gallery_open"):
         editor.set_code(source)
         ui.clear_playground_results()
         st.switch_page("app_pages/playground.py")

@@ -12,7 +12,7 @@ from app.templates import TEMPLATE
 st.title("Playground")
 lim = services.limits()
 if lim.cpu_mode:
-    st.info(lim.describe(), icon="💻")
+    st.info(lim.describe(), icon=":material/computer:")
 
 # ---- shape controls ---------------------------------------------------------------------------
 shape = ui.shape_controls()
@@ -27,7 +27,7 @@ with left:
     annotations = ui.annotations(problem) if problem is not None else None
     code = editor.code_editor(annotations)
     row = st.columns([1, 1, 2])
-    run_clicked = row[0].button("Visualise", type="primary", icon="▶", key="pg_run",
+    run_clicked = row[0].button("Visualise", type="primary", icon=":material/play_arrow:", key="pg_run",
                                 help="Check the code in a child process, then draw its mask, "
                                      "block map and scores")
     if row[1].button("Reset to template", key="pg_template"):
@@ -45,7 +45,7 @@ if active is not None:
     st.session_state["playground_problem"] = None if prepared["ok"] else prepared["problem"]
     if active["code"] != code or active["shape"] != shape:
         left.warning("The code or shape changed since the last run: press **Visualise** "
-                     "(or Check, Benchmark, Gradients) to update the views.", icon="✏️")
+                     "(or Check, Benchmark, Gradients) to update the views.", icon=":material/edit:")
 
 with left:
     if prepared is not None and not prepared["ok"]:

@@ -95,7 +95,14 @@ def build_kernel_source(template_name: str, score_mod, mask_mod) -> str:
     return HEADER + fill_template(read_template(template_name), values)
 
 
+_by_mods: dict[tuple[str, str, str], ModuleType] = {}
+
+
 def load_kernel_module(template_name: str, score_mod, mask_mod) -> ModuleType:
     """The compiled module for ``template_name`` filled with these mods (cached by source)."""
-    source = build_kernel_source(template_name, score_mod, mask_mod)
-    return load_module(source, template_name.split(".")[0])
+    key = (template_name, score_mod.source, mask_mod.source)  # str hashes are cached: cheap per call
+    module = _by_mods.get(key)
+    if module is None:
+        source = build_kernel_source(template_name, score_mod, mask_mod)
+        module = _by_mods[key] = load_module(source, template_name.split(".")[0])
+    return module

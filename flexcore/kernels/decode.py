@@ -14,12 +14,19 @@ from flexcore.kernels.forward import BlockTensors, fit_tile, pad_head_dim
 from flexcore.options import KernelOptions
 
 _LOG2E = 1.4426950408889634
+#: flex_attention picks the decode kernel by itself up to this query length.
+DECODE_MAX_Q_LEN = 16
 #: Most rows (query heads x query positions) one program packs into its tile.
 MAX_TILE_ROWS = 64
 #: Most key splits per tile (the reduction holds NUM_SPLITS x Dv partials in one program).
 MAX_SPLITS = 64
 #: Without a GPU (interpreter) the split count only needs to exercise the reduction.
 _INTERPRETER_SPLITS = 3
+
+
+def use_decode_kernel(q_len: int, opts: KernelOptions) -> bool:
+    """Whether flex_attention should run the split-KV decode kernel: ``opts.decode``, else q_len <= 16."""
+    return opts.decode if opts.decode is not None else q_len <= DECODE_MAX_Q_LEN
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ def plan_decode(B: int, Hq: int, Hkv: int, L: int, S: int, blocks: BlockTensors,
     return DecodePlan(heads, q_per_tile, q_chunks, block_m, num_splits)
 
 
+@functools.lru_cache(maxsize=256)
 def choose_num_splits(tiles: int, max_splits: int, sms: int) -> int:
     """Key splits per tile so that ``tiles * splits`` programs keep every SM streaming the cache.
 
@@ -97,7 +105,8 @@ def choose_num_splits(tiles: int, max_splits: int, sms: int) -> int:
 
 
 # (BLOCK_N, num_warps, num_stages) candidates on the GPU; the first is the default without autotune.
-_GPU_CONFIGS = [(64, 4, 3), (64, 2, 3), (128, 4, 3), (128, 8, 2), (32, 2, 4), (64, 4, 1)]
+# The kernel streams K/V once, so the candidates differ in bytes in flight per SM (tile x stages).
+_GPU_CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (64, 2, 3), (32, 4, 5)]
 _autotuners: dict = {}
 # Generated modules by the mods' keys: skips rebuilding and hashing the source on every step.
 _modules: dict = {}

@@ -19,7 +19,8 @@ from flexcore.errors import ModError, ModReturnError, UnsupportedOpError
 _TL = {
     torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
     torch.float64: "tl.float64", torch.int8: "tl.int8", torch.int16: "tl.int16",
-    torch.int32: "tl.int32", torch.int64: "tl.int64", torch.uint8: "tl.uint8", torch.bool: "tl.int1",
+    torch.int32: "tl.int32", torch.int64: "tl.int64", torch.uint8: "tl.uint8",
+    torch.bool: "tl.int1",
 }
 _INDEX_ARGS = {"b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv"}
 
@@ -272,8 +273,8 @@ class ModCodegen:
                 raise ModReturnError("a score_mod must return a float tensor, not bool",
                                      mod_name=self.name)
             trivial = v.expr == "score" and v.const is None
-            if v.const is not None:
-                return literal(float(v.const), torch.float32), False
+            if v.const is not None:  # a 0-d tensor, not a constexpr: callers broadcast it
+                return f"tl.full([], {_float_literal(float(v.const))}, tl.float32)", False
             return self.cast(v, torch.float32), trivial
         if v.dtype != torch.bool:
             raise ModReturnError(f"a mask_mod must return a bool tensor, not {v.dtype}",
@@ -297,7 +298,34 @@ class ModCodegen:
         return View(cap, tensor.dtype, tuple(tensor.shape), (None,) * tensor.dim(), node)
 
     # ---------------------------------------------------------------- ops
+    def _fold(self, node: Node):
+        """Evaluate an op whose inputs are all trace-time constants (None if it is not one)."""
+        if node.target == torch.ops.aten.index.Tensor:
+            return None
+        args = []
+        for a in node.args:
+            if isinstance(a, Node):
+                v = self.env[a]
+                if not isinstance(v, Val) or v.const is None:
+                    return None
+                a = torch.tensor(v.const, dtype=v.dtype)
+            elif isinstance(a, (list, tuple)) and any(isinstance(x, Node) for x in a):
+                return None
+            args.append(a)
+        if not any(isinstance(a, Node) for a in node.args):
+            return None  # creation ops (full, scalar_tensor) have their own handlers
+        try:
+            out = node.target(*args, **node.kwargs)
+        except Exception:  # noqa: BLE001 - fall back to emitting the op
+            return None
+        if not isinstance(out, torch.Tensor) or out.dim() != 0 or out.dtype not in _TL:
+            return None
+        return self._const_result(out.item(), out.dtype)
+
     def _call(self, node: Node):
+        folded = self._fold(node)
+        if folded is not None:
+            return folded
         target = node.target
         packet = getattr(target, "overloadpacket", None)
         name = packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
@@ -311,7 +339,8 @@ class ModCodegen:
                 UnsupportedOpError, f"{what} has no Triton lowering in flexlab. Supported: "
                 "+ - * / // % **, comparisons, &, |, ^, ~, torch.where, abs, exp, exp2, log, log2, "
                 "sqrt, rsqrt, tanh, sigmoid, sin, cos, erf, expm1, log1p, minimum, maximum, clamp, "
-                "floor, ceil, round, trunc, sign, casts, and indexing captured tensors.",
+                "floor, ceil, round, trunc, sign, isnan, isinf, masked_fill, <<, >>, casts, and "
+                "indexing captured tensors.",
                 op=shown or str(target))
         return handler(node)
 
@@ -492,8 +521,8 @@ class ModCodegen:
         ea = self.cast(a, compute)
         if b.const is not None and float(b.const) == int(b.const) and 0 <= int(b.const) <= 8:
             n = int(b.const)
-            if n == 0:
-                return self._finish_op(f"{ea} * 0 + {literal(1, compute)}", compute, out, deps, True)
+            if n == 0:  # x ** 0 == 1 even for NaN and inf
+                return self._const_result(1, out)
             x = self._emit(ea) if n > 1 else ea
             return self._finish_op(" * ".join([x] * n), compute, out, deps,
                                    a.nonneg or n % 2 == 0)
@@ -608,11 +637,48 @@ class ModCodegen:
             return self._result(f"{self.cast(a, out)} == 0", out, a.deps, True)
         return self._result(f"~{self.cast(a, out)}", out, a.deps)
 
+    def _shift(self, node, op: str) -> Val:
+        a, b = self.value(node.args[0]), self.value(node.args[1])
+        out = self._out_dtype(node)
+        if out.is_floating_point or out == torch.bool:
+            raise self._error(UnsupportedOpError, f"shift '{op}' needs integer tensors")
+        return self._result(f"{self.cast(a, out)} {op} {self.cast(b, out)}", out,
+                            self._deps(a, b), a.nonneg and op == ">>")
+
+    def _op___lshift__(self, node):
+        return self._shift(node, "<<")
+
+    def _op___rshift__(self, node):
+        return self._shift(node, ">>")
+
+    _op_bitwise_left_shift = _op___lshift__
+    _op_bitwise_right_shift = _op___rshift__
+
     def _op_where(self, node):
         c, a, b = (self.value(x) for x in node.args)
         out = self._out_dtype(node)
         expr = f"tl.where({self.cast(c, torch.bool)}, {self.cast(a, out)}, {self.cast(b, out)})"
         return self._result(expr, out, self._deps(c, a, b), a.nonneg and b.nonneg)
+
+    def _op_masked_fill(self, node):
+        x, m, fill = (self.value(a) for a in node.args)
+        out = self._out_dtype(node)
+        expr = (f"tl.where({self.cast(m, torch.bool)}, {self.cast(fill, out)}, "
+                f"{self.cast(x, out)})")
+        return self._result(expr, out, self._deps(x, m, fill), x.nonneg and fill.nonneg)
+
+    def _op_isnan(self, node):
+        (a,) = self._args(node)
+        if not a.dtype.is_floating_point:
+            return self._const_result(False, torch.bool)
+        return self._result(f"{a.expr} != {a.expr}", torch.bool, a.deps, True)
+
+    def _op_isinf(self, node):
+        (a,) = self._args(node)
+        if not a.dtype.is_floating_point:
+            return self._const_result(False, torch.bool)
+        x = self.cast(a, _opmath(a.dtype))
+        return self._result(f"tl.abs({x}) == float(\"inf\")", torch.bool, a.deps, True)
 
     # casts, copies, constants ----------------------------------------------
     def _op__to_copy(self, node):

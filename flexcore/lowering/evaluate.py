@@ -8,21 +8,9 @@ from flexcore.kernels import codegen as kcodegen
 from flexcore.lowering.api import LoweredMod, lower_mask_mod, lower_score_mod
 
 
-def _caps(params) -> str:
-    return "".join(f", {p}" for p in params)
-
-
 def evaluate_module(score: LoweredMod, mask: LoweredMod):
     """The imported kernel module evaluating ``score`` and ``mask`` (cached on source text)."""
-    template = kcodegen.read_template("evaluate.py.tmpl")
-    caps = score.cap_params + mask.cap_params
-    source = kcodegen.HEADER + kcodegen.fill_template(template, {
-        "MOD_FUNCTIONS": score.source + "\n\n" + mask.source,
-        "SCORE_CAPS": _caps(score.cap_params),
-        "MASK_CAPS": _caps(mask.cap_params),
-        "CAPS": "".join(f"{p}, " for p in caps),
-    })
-    return kcodegen.load_module(source, "evaluate")
+    return kcodegen.load_kernel_module("evaluate.py.tmpl", score, mask)
 
 
 def evaluate_mods(score_mod=None, mask_mod=None, B: int = 1, H: int = 1, Q_LEN: int = 128,

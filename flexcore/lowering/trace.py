@@ -89,7 +89,7 @@ _TORCH_C_MODULES = {"torch._C._special": "torch.special", "torch._C._nn": "torch
 def func_display_name(func) -> str:
     """``torch.sin`` / ``Tensor.sin`` / ``torch.special.erfinv`` for a torch function."""
     name = getattr(func, "__name__", None) or repr(func)
-    if getattr(torch.Tensor, name, None) is func or getattr(torch._C.TensorBase, name, None) is func:
+    if func in (getattr(torch.Tensor, name, None), getattr(torch._C.TensorBase, name, None)):
         return f"Tensor.{name}"
     module = getattr(func, "__module__", None) or "torch"
     if module in _TORCH_C_MODULES:
@@ -122,9 +122,10 @@ class _LoweringMode(TorchFunctionMode):
         if func in _CONTROL_FLOW:
             loc = user_location_from_stack()
             raise _TraceError(ControlFlowError(
-                f"{_CONTROL_FLOW[func]} needs the tensor's value, which is unknown while the mod is "
-                "lowered to a kernel. Express the branch with torch.where(cond, a, b) (and combine "
-                "conditions with &, |, ~ instead of and/or/not).",
+                f"{_CONTROL_FLOW[func]} needs the tensor's value, which is unknown while the mod "
+                "is lowered to a kernel. Use tensor operations instead: torch.where(cond, a, b) for "
+                "branches (combine conditions with &, |, ~ instead of and/or/not) and torch.* "
+                "functions instead of math.*.",
                 mod_name=self.name, filename=loc.filename, lineno=loc.lineno,
                 op=func_display_name(func)))
         graph = _current_graph()
@@ -135,7 +136,8 @@ class _LoweringMode(TorchFunctionMode):
             out = func(*args, **kwargs)
         if graph is not None and len(graph.nodes) > before:
             loc = user_location_from_stack()
-            shown = "Tensor.__getitem__" if func is torch.Tensor.__getitem__ else func_display_name(func)
+            shown = ("Tensor.__getitem__" if func is torch.Tensor.__getitem__
+                     else func_display_name(func))
             for node in list(graph.nodes)[before:]:
                 node.meta.setdefault("flex_loc", (loc.filename, loc.lineno, shown))
         return out

@@ -173,7 +173,7 @@ class _VjpCodegen(_codegen.ModCodegen):
                               "several steps (t[i][j]); index it in one subscript, t[i, j]")
         return super()._op_index(node)
 
-    def emit_accumulate(self, grad, cap: int, shape: tuple) -> None:
+    def emit_accumulate(self, grad, cap: int, shape: tuple, dtype: torch.dtype) -> None:
         """Emit the atomic adds of one captured tensor's gradient (an output node) into ``sm_g{cap}``."""
         p = f"sm_g{cap}"
         found = self.env.get(grad) if isinstance(grad, Node) else None
@@ -200,7 +200,7 @@ class _VjpCodegen(_codegen.ModCodegen):
                     expr = self._emit(f"tl.where({expr} < 0, {expr} + {shape[d]}, {expr})")
                 offset.append(f"{expr} * {p}_s{d}")
             off = " + ".join(offset) if offset else "0"
-            vals = self.cast(value, torch.float32)
+            vals = self.cast(value, torch.float64 if dtype == torch.float64 else torch.float32)
             self.lines.append("    if WRITE_CAPTURED_GRADS:")
             if not ({"q", "kv"} & deps):
                 # One address per tile (the index depends on b and h only): reduce, then one add.
@@ -316,7 +316,7 @@ def lower_score_mod_backward(fn, forward=None) -> LoweredScoreBackward:
     grad_params = []
     for i in grad_of:
         shape = tuple(captured[i].shape)
-        gen.emit_accumulate(outputs[1 + grad_of.index(i)], i, shape)
+        gen.emit_accumulate(outputs[1 + grad_of.index(i)], i, shape, captured[i].dtype)
         grad_params.append(f"sm_g{i}_ptr")
         grad_params.extend(f"sm_g{i}_s{d}" for d in range(len(shape)))
 

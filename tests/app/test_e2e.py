@@ -24,10 +24,9 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
 
 # A causal mask at Q_LEN = KV_LEN = 128 keeps 128·129/2 = 8,256 of 16,384 positions: seeing that
 # count proves the browser's edit reached the server.
-EDITED_CODE = (
-    "def mask_mod(b, h, q_idx, kv_idx):\n"
-    "return q_idx >= kv_idx\n"  # Ace indents the body itself after the colon
-)
+# Typed line by line: Ace indents the body itself after the colon, and Escape closes its
+# autocompletion popup so that Enter starts a new line instead of accepting a suggestion.
+EDITED_LINES = ["def mask_mod(b, h, q_idx, kv_idx):", "return q_idx >= kv_idx"]
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path(CHROMIUM).exists(),
@@ -83,9 +82,11 @@ def server():
 def test_edit_mod_and_check_in_browser(server):
     from playwright.sync_api import expect, sync_playwright
 
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        # Tall enough for the Check results: Streamlit scrolls inside its main block, so a
+        # full-page screenshot shows only what fits the viewport.
+        page = browser.new_page(viewport={"width": 1500, "height": 2200})
         try:
             page.goto(server, wait_until="domcontentloaded")
             expect(page.get_by_role("heading", name="Playground")).to_be_visible(timeout=60_000)
@@ -97,20 +98,38 @@ def test_edit_mod_and_check_in_browser(server):
             editor.locator(".ace_content").click()
             page.keyboard.press("Control+A")
             page.keyboard.press("Delete")
-            page.keyboard.type(EDITED_CODE)
+            for i, line in enumerate(EDITED_LINES):
+                if i:
+                    page.keyboard.press("Enter")
+                page.keyboard.type(line, delay=20)
+                page.keyboard.press("Escape")
             page.wait_for_timeout(1500)  # Ace sends its value after 200 ms without typing
 
             page.get_by_role("tab", name="Check").click()
             page.get_by_role("button", name="Check", exact=True).click()
             verdict = page.get_by_text("Check passed for", exact=False).or_(
                 page.get_by_text("Check failed for", exact=False))
-            expect(verdict.first).to_be_visible(timeout=240_000)
+            # An error box would mean the edit went wrong: stop waiting then too.
+            errors = page.locator('[data-testid="stAlertContentError"]')
+            expect(verdict.or_(errors).first).to_be_visible(timeout=240_000)
+            page.screenshot(path=str(ARTIFACTS / "e2e-check.png"), full_page=True)
+            assert errors.count() == 0, errors.first.inner_text()
             expect(page.get_by_text("Kept 8,256 of 16,384 positions", exact=False)).to_be_visible(
                 timeout=30_000)
-            page.wait_for_timeout(1000)  # let the charts finish drawing before the screenshot
+            page.mouse.move(0, 0)  # no tooltip over the results
+            page.wait_for_timeout(1500)  # let the charts finish drawing before the screenshot
             page.screenshot(path=str(ARTIFACTS / "e2e-check.png"), full_page=True)
             assert page.get_by_text("Check passed for float32, float16, bfloat16").count() == 1, \
                 "flexcore should pass the check for a causal mask in every dtype"
             assert page.get_by_text("Traceback").count() == 0
+
+            # The other pages, for a person to look at.
+            for name, ready in (("Gallery", "Open in Playground"), ("Environment", "Attention providers"),
+                                ("Benchmarks", "Run a preset on this machine")):
+                page.get_by_role("link", name=name).click()
+                expect(page.get_by_text(ready).first).to_be_visible(timeout=60_000)
+                page.wait_for_timeout(2000)
+                page.screenshot(path=str(ARTIFACTS / f"e2e-{name.lower()}.png"), full_page=True)
+                assert page.get_by_text("Traceback").count() == 0
         finally:
             browser.close()

@@ -83,3 +83,22 @@ def test_trivial_score_detection():
     assert dense.is_trivial_score(None, 1, 1, 4, 4, "cpu")
     assert dense.is_trivial_score(lambda s, b, h, q, kv: s, 1, 1, 4, 4, "cpu")
     assert not dense.is_trivial_score(lambda s, b, h, q, kv: s * 2, 1, 1, 4, 4, "cpu")
+
+
+def test_registry_variants_are_recognised_for_flash_attn():
+    from bench.mods import offset_indices, resolve
+    from variants.bias import alibi_slopes as registry_slopes
+
+    def mods(spec, q_len=64, kv_len=64, H=4):
+        return resolve(spec, B=1, H=H, KV_HEADS=H, Q_LEN=q_len, KV_LEN=kv_len, D=16, device="cpu")
+
+    m = mods("alibi_causal")
+    shape = dense.classify_mask(dense.dense_mask(m.mask_mod, 1, 4, 64, 64, "cpu"), 64, 64)
+    assert shape == dense.MaskShape("causal", 0)
+    assert torch.allclose(dense.alibi_slopes(m.score_mod, shape, 1, 4, 64, 64, "cpu"), registry_slopes(4, "cpu"))
+    m = mods("softcap_causal(softcap=30)")
+    assert dense.softcap_value(m.score_mod, 1, 4, 64, 64, "cpu") == pytest.approx(30.0)
+    # Decoding with a sliding window: the query sits at the end, the window is bottom-right.
+    m = offset_indices(mods("sliding_window(window_size=16)", 1, 100), q0=99)
+    shape = dense.classify_mask(dense.dense_mask(m.mask_mod, 1, 4, 1, 100, "cpu"), 1, 100)
+    assert shape == dense.MaskShape("window", 99, 16)

@@ -215,3 +215,10 @@ def test_negative_scale():
     q, k, v = (torch.randn(1, 2, 50, 32, generator=gen) for _ in range(3))
     out = flex_attention(q, k, v, scale=-0.25)
     assert rel_err(out, flex_attention_reference(q, k, v, scale=-0.25)) < 1e-5
+
+
+@pytest.mark.parametrize("D,Dv", [(16, 16), (96, 40), (192, 128)])
+def test_head_dims(D, Dv):
+    # Non-powers of two pad to the next one inside the kernel; Dv may differ from D.
+    shape = Shape("dims", B=1, Hq=2, Hkv=1, L=45, S=70, D=D, Dv=Dv, block=32)
+    check_forward(shape, "alibi", torch.float32, seed=D * 1000 + Dv)

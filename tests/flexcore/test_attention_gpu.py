@@ -20,4 +20,8 @@ pytestmark = [
 def test_forward_gpu(shape, mod_name, dtype):
     if dtype == torch.float32 and shape.L * shape.S > 2048 * 2048:
         pytest.skip("fp32 covered at the smaller shapes; the fp64 reference dominates the run time")
-    check_forward(shape, mod_name, dtype, seed=seed_of(mod_name, shape.name, str(dtype)), device="cuda")
+    # Autotuning compiles every candidate config; one shape keeps it on, the rest use the first
+    # candidate so the matrix compiles in minutes.
+    options = None if shape.name == "gpu_1k" else {"autotune": False}
+    check_forward(shape, mod_name, dtype, seed=seed_of(mod_name, shape.name, str(dtype)),
+                  kernel_options=options, device="cuda")

@@ -136,8 +136,8 @@ def _score_cases(device="cpu"):
         ret = (rel > 0).to(torch.int64) * num_buckets
         n = torch.abs(rel)
         is_small = n < max_exact
-        val_large = max_exact + (torch.log(n.float() / max_exact) / math.log(max_distance / max_exact)
-                                 * (num_buckets - max_exact)).to(torch.int64)
+        log_ratio = torch.log(n.float() / max_exact) / math.log(max_distance / max_exact)
+        val_large = max_exact + torch.floor_divide(log_ratio * (num_buckets - max_exact), 1).long()
         val_large = torch.clamp_max(val_large, num_buckets - 1)
         return ret + torch.where(is_small, n, val_large)
 
@@ -186,6 +186,10 @@ def _score_cases(device="cpu"):
             + torch.relu(score),
         "where_inf": lambda score, b, h, q_idx, kv_idx:
             torch.where(q_idx >= kv_idx, score, -float("inf")),
+        "masked_fill_and_nan_checks": lambda score, b, h, q_idx, kv_idx:
+            score.masked_fill(q_idx < kv_idx, -float("inf")).masked_fill(kv_idx == 3, score * 2)
+            + torch.isnan(torch.log(score)).float() + torch.isinf(torch.log(score.abs())).float()
+            + torch.isfinite(1 / (q_idx - kv_idx)).float() + torch.square(score),
         "where_mixed_dtypes": lambda score, b, h, q_idx, kv_idx:
             torch.where((q_idx % 3 == 0) | (kv_idx % 5 == 1), q_idx - kv_idx, score),
         "casts": lambda score, b, h, q_idx, kv_idx:
@@ -208,6 +212,9 @@ def _score_cases(device="cpu"):
         "int_literal_index": lambda score, b, h, q_idx, kv_idx: score + wide[3, 1] + wide[-1][h],
         "ellipsis_and_slices": lambda score, b, h, q_idx, kv_idx:
             score + wide[:, h][kv_idx] + wide[..., 0][q_idx],
+        "shifts_and_folded_constants": lambda score, b, h, q_idx, kv_idx:
+            score * torch.sqrt(torch.tensor(2.0)) + ((q_idx << 2) + ((kv_idx - 20) >> 1)) * 0.01
+            + torch.bitwise_left_shift(kv_idx, q_idx % 4) * 0.001,
         "bool_arithmetic": lambda score, b, h, q_idx, kv_idx:
             score + ((q_idx > 3) & (kv_idx < 30) | ~(q_idx == kv_idx) ^ (b == 1)).float(),
         "python_float_return": lambda score, b, h, q_idx, kv_idx: 1.5,
@@ -373,6 +380,20 @@ def test_lowered_mod_fields_and_kernel_args():
         lowered.source = ""  # frozen
 
 
+def test_captures_that_require_grad_are_the_original_objects():
+    # The backward accumulates gradients into exactly these objects.
+    slopes = torch.rand(H, requires_grad=True)
+    weight = torch.nn.Parameter(torch.rand(H))
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * weight[h] * (kv_idx - q_idx)
+
+    lowered = lower_score_mod(mod)
+    assert lowered.captured[0] is slopes and lowered.captured[1] is weight
+    with torch.no_grad():
+        assert_scores_match(mod)
+
+
 def test_same_tensor_under_two_names_is_captured_once():
     table = _rand(KV_LEN)
     alias = table
@@ -404,6 +425,7 @@ def test_none_and_trivial_mods():
     assert lower_score_mod(lambda score, b, h, q_idx, kv_idx: score).is_trivial
     assert lower_mask_mod(flexcore.noop_mask).is_trivial
     assert lower_mask_mod(lambda b, h, q_idx, kv_idx: True).is_trivial
+    assert lower_mask_mod(flexcore.and_masks(flexcore.noop_mask, flexcore.noop_mask)).is_trivial
     assert not lower_score_mod(lambda score, b, h, q_idx, kv_idx: score * 1.0).is_trivial
     assert not lower_mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= 0).is_trivial
     assert not lower_mask_mod(lambda b, h, q_idx, kv_idx: False).is_trivial

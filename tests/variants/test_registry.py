@@ -46,6 +46,8 @@ def test_metadata_is_complete(name):
         resolved = variant.resolve_params(**variant.example)
         assert resolved != variant.defaults(), f"{name}'s example equals its defaults"
     assert variant.summary().startswith(f"{name}: ")
+    assert variant.family in {"basic", "windows", "documents", "blocks", "vision", "decoding",
+                              "heads", "bias", "scaling"}
 
 
 @pytest.mark.parametrize("name,setting", CASES)

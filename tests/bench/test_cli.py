@@ -1,0 +1,52 @@
+"""Command-line entry points: presets, providers, grid flags, errors."""
+from __future__ import annotations
+
+import json
+
+from bench.__main__ import _variants, main
+from tests.bench.conftest import ALIBI, CAUSAL
+
+
+def test_list_presets_and_providers(capsys):
+    assert main(["list-presets"]) == 0
+    out = capsys.readouterr().out
+    assert "anchors" in out and "tiny" in out and "34 cases" in out
+    assert main(["list-providers", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "sdpa_math" in out and "torch_flex" in out and "skipped here" in out
+
+
+def test_run_from_flags(tmp_path, capsys):
+    out = tmp_path / "r"
+    code = main(["run", "--variants", f"{CAUSAL},{ALIBI}", "--batch", "1", "--seq", "24", "--heads", "2",
+                 "--head-dim", "8", "--dtype", "fp32", "--passes", "fwd", "--providers", "sdpa_math",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0
+    data = json.loads((out / "results.json").read_text())
+    assert {(r["variant"], r["q_len"], r["dtype"]) for r in data["rows"]} == {
+        (CAUSAL, 24, "float32"), (ALIBI, 24, "float32")}
+
+
+def test_errors_exit_2_with_a_message(tmp_path, capsys):
+    assert main(["run", "--config", "nope", "--out", str(tmp_path / "x")]) == 2
+    assert "preset" in capsys.readouterr().err
+    assert main(["run", "--config", "tiny", "--providers", "bogus", "--out", str(tmp_path / "y")]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert main(["run", "--config", "tiny", "--passes", "fwd", "--dtype", "fp16", "--out",
+                 str(tmp_path / "z")]) == 2
+    assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "rep")]) == 2
+
+
+def test_variant_list_splits_outside_parentheses():
+    assert _variants("a(x=1,y=2)+b,c") == ["a(x=1,y=2)+b", "c"]
+
+
+def test_forward_entry_is_the_anchors_forward_grid():
+    from bench import forward
+
+    grid = forward.build(forward.build_parser().parse_args([]))
+    assert len(grid.cases) == 14 and {c.pass_ for c in grid.cases} == {"fwd"}
+    assert grid.providers == ["flexlab", "torch_flex", "sdpa_flash", "sdpa_cudnn"]
+    grid = forward.build(forward.build_parser().parse_args(["--decode", "--variants", "causal,noop"]))
+    # --variants replaces the variants of every group, the decode rows included.
+    assert {(c.variant, c.pass_) for c in grid.cases} == {(v, p) for v in ("causal", "noop") for p in ("fwd", "decode")}

@@ -1,0 +1,71 @@
+"""The runner on a CUDA GPU: every provider that runs must pass its correctness checks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu_run(tmp_path_factory):
+    if not torch.cuda.is_available():
+        pytest.fail("the gpu tests need a CUDA device (run them with -m gpu on the GPU machine)")
+    from bench import runner
+    from bench.grid import build_grid
+
+    config = {
+        "providers": ["flexlab", "torch_flex", "sdpa_math", "sdpa_efficient", "sdpa_flash", "sdpa_cudnn",
+                      "flash_attn", "torch_flex_flash"],
+        "settings": {"rep_ms": 20, "warmup_ms": 5, "min_reps": 5, "max_reps": 20},
+        "groups": [
+            # 1000 is not a block multiple; 8 query heads on 2 KV heads.
+            {"variants": ["noop", "causal", "alibi_causal", "softcap_causal(softcap=30)",
+                          "document(num_documents=3)", "relative_bias(max_distance=64)"],
+             "shapes": [[2, 1000]], "heads": [[8, 2]], "head_dim": [64], "dtype": ["bfloat16"],
+             "passes": ["fwd", "fwd_bwd"]},
+            {"variants": ["noop", "alibi", "sliding_window(window_size=256)"], "shapes": [[2, 1, 4096]],
+             "heads": [[8, 2]], "head_dim": [128], "dtype": ["bfloat16"], "passes": ["decode"]},
+        ],
+    }
+    out = tmp_path_factory.mktemp("gpu_run")
+    path = runner.run(build_grid(config, "gpu"), out, progress=False)
+    return json.loads(path.read_text())["rows"]
+
+
+def _get(rows, variant, provider, metric, pass_=None):
+    return [r for r in rows if r["variant"] == variant and r["provider"] == provider
+            and r["metric"] == metric and (pass_ is None or r["pass"] == pass_)]
+
+
+def test_no_provider_errors(gpu_run):
+    errors = [(r["case_id"], r["provider"], r["note"]) for r in gpu_run if r["status"] == "error"]
+    assert not errors, errors
+
+
+def test_every_provider_that_ran_is_correct(gpu_run):
+    fails = [(r["case_id"], r["provider"], r["metric"], r["value"], r["note"]) for r in gpu_run
+             if r["metric"].endswith("_correct") and r["value"] != 1]
+    assert not fails, fails
+
+
+def test_baselines_ran_where_expected(gpu_run):
+    for variant in ("noop", "causal", "alibi_causal", "softcap_causal(softcap=30)", "document(num_documents=3)"):
+        assert len(_get(gpu_run, variant, "torch_flex", "time_ms")) == 2, variant
+    # SDPA flash: no mask and causal only.
+    assert len(_get(gpu_run, "causal", "sdpa_flash", "time_ms")) == 2
+    status = _get(gpu_run, "alibi_causal", "sdpa_flash", "status")
+    assert status and status[0]["status"] == "unsupported"
+    # A softcap cannot be a dense bias.
+    status = _get(gpu_run, "softcap_causal(softcap=30)", "sdpa_cudnn", "status")
+    assert status and "additive" in status[0]["note"]
+    for variant in ("noop", "alibi", "sliding_window(window_size=256)"):
+        rows = _get(gpu_run, variant, "torch_flex", "gbps", "decode")
+        assert rows and rows[0]["value"] > 0, variant
+
+
+def test_learnable_bias_gradient_is_compared(gpu_run):
+    rows = _get(gpu_run, "relative_bias(max_distance=64)", "torch_flex", "dtable_correct")
+    assert rows and rows[0]["value"] == 1

@@ -1,0 +1,142 @@
+"""Reports: offline HTML that parses, PNGs that open, markdown columns, comparisons, no overwrite."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from html.parser import HTMLParser
+
+import pytest
+
+from bench import report
+
+
+class _Collect(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.tags, self.script_srcs, self.links, self.imgs, self.text = [], [], [], [], []
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tags.append(tag)
+        if tag == "script" and attrs.get("src"):
+            self.script_srcs.append(attrs["src"])
+        if tag == "link" and attrs.get("href"):
+            self.links.append(attrs["href"])
+        if tag == "img":
+            self.imgs.append(attrs.get("src", ""))
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+def _parse(path):
+    parser = _Collect()
+    parser.feed(path.read_text())
+    parser.close()
+    return parser
+
+
+def _second_run(small_run, tmp_path, gpu="Test GPU B"):
+    """A copy of the small run that claims another GPU (a stand-in for a second machine)."""
+    other = tmp_path / "other"
+    shutil.copytree(small_run.parent, other)
+    data = json.loads((other / "results.json").read_text())
+    for env in data["envs"]:
+        env["gpu_name"] = gpu
+    for row in data["rows"]:
+        if row["metric"] == "time_ms":
+            row["value"] *= 2
+    (other / "results.json").write_text(json.dumps(data))
+    (other / "rows.jsonl").unlink()  # keep the edited results.json authoritative
+    return other / "results.json"
+
+
+def test_report_files(small_run, tmp_path):
+    out = tmp_path / "rep"
+    paths = report.write_report([small_run.parent], out)
+    names = {p.name for p in paths}
+    assert {"report.html", "summary.md", "results.csv"} <= names
+    pngs = sorted((out / "figures").glob("*.png"))
+    assert pngs
+    from PIL import Image
+
+    for png in pngs:
+        with Image.open(png) as im:
+            im.verify()
+            assert im.size[0] > 100 and im.size[1] > 100
+    parsed = _parse(out / "report.html")
+    assert "table" in parsed.tags and "script" in parsed.tags  # plotly figures, inline
+    assert not parsed.script_srcs and not parsed.links  # nothing loaded from elsewhere
+    html_text = (out / "report.html").read_text()
+    assert 'src="http' not in html_text and "src='http" not in html_text
+    text = " ".join(parsed.text)
+    assert "Errors against float64" in text and "Environment" in text and "sdpa_math" in text
+
+
+def test_markdown_summary_columns(small_run, tmp_path):
+    report.write_report(small_run, tmp_path / "rep")
+    md = (tmp_path / "rep" / "summary.md").read_text().splitlines()
+    header = next(line for line in md if line.startswith("| variant"))
+    assert [c.strip() for c in header.strip("|").split("|")] == ["variant", "shape", "dtype", "pass",
+                                                                 "sdpa_math"]
+    table_rows = [l for l in md[md.index(header) + 2:] if l.startswith("|")]
+    assert len(table_rows) >= 4 and all("ms)" in l for l in table_rows[:4])
+
+
+def test_existing_report_needs_force(small_run, tmp_path):
+    out = tmp_path / "rep"
+    report.write_report(small_run, out)
+    marker = (out / "summary.md").read_text()
+    with pytest.raises(report.ReportExistsError, match="--force"):
+        report.write_report(small_run, out)
+    assert (out / "summary.md").read_text() == marker
+    report.write_report(small_run, out, force=True)
+
+
+def test_cli_refuses_overwrite(small_run, tmp_path):
+    from bench.__main__ import main
+
+    out = tmp_path / "rep"
+    assert main(["report", str(small_run), "--out", str(out)]) == 0
+    assert main(["report", str(small_run), "--out", str(out)]) == 2
+    assert main(["report", str(small_run), "--out", str(out), "--force"]) == 0
+
+
+def test_two_runs_side_by_side(small_run, tmp_path):
+    other = _second_run(small_run, tmp_path)
+    out = tmp_path / "cmp"
+    report.write_report([small_run, other], out, labels=["run-A", "run-B"])
+    md = (out / "summary.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| variant"))
+    assert "sdpa_math [run-A]" in header and "sdpa_math [run-B]" in header
+    html_text = (out / "report.html").read_text()
+    assert "run-A" in html_text and "run-B" in html_text and "Test GPU B" in html_text
+    csv_text = (out / "results.csv").read_text().splitlines()
+    assert csv_text[0].startswith("source,") and any(l.startswith("run-B,") for l in csv_text)
+    # Default labels come from the environments (GPU @ commit).
+    report.write_report([small_run, other], tmp_path / "cmp2")
+    assert "Test GPU B @" in (tmp_path / "cmp2" / "summary.md").read_text()
+
+
+def test_report_without_plotly_embeds_pngs(small_run, tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "plotly" or m.startswith("plotly.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "plotly", None)  # import plotly now raises ImportError
+    report.write_report(small_run, tmp_path / "rep")
+    parsed = _parse(tmp_path / "rep" / "report.html")
+    assert parsed.imgs and all(src.startswith("data:image/png;base64,") for src in parsed.imgs)
+    assert "script" not in parsed.tags
+
+
+def test_report_reads_an_unfinished_run(tmp_path):
+    from bench import runner
+    from tests.bench.conftest import small_grid
+
+    out = tmp_path / "r"
+    runner.run(small_grid(), out, progress=False, log=lambda m: None)
+    (out / "results.json").unlink()
+    lines = (out / "rows.jsonl").read_text().splitlines()
+    (out / "rows.jsonl").write_text(lines[0] + "\n" + lines[1][:20])
+    report.write_report(out, tmp_path / "rep")
+    assert "sdpa_math" in (tmp_path / "rep" / "summary.md").read_text()
