@@ -47,7 +47,11 @@ def block_map(view: dict, title: str):
         colorbar=dict(tickvals=[0, 1, 2], ticktext=list(names), title="block"),
         hovertemplate=(f"query block %{{y}} (rows ×{bq})<br>key block %{{x}} (cols ×{bkv})"
                        "<br>%{text}<extra></extra>")))
-    return _layout(fig, title, f"key block ({bkv} keys each)", f"query block ({bq} queries each)")
+    fig = _layout(fig, title, f"key block ({bkv} keys each)", f"query block ({bq} queries each)")
+    if max(m.shape) <= 32:  # whole block numbers, not 0.5 steps
+        fig.update_xaxes(dtick=1)
+        fig.update_yaxes(dtick=1)
+    return fig
 
 
 def score_heatmap(view: dict, title: str):
@@ -71,13 +75,16 @@ def error_heatmap(pooled, title: str):
 
 
 def bars(rows: Sequence[dict], x: str, y: str, title: str, color: str | None = None,
-         log_y: bool = False, text: str | None = None):
-    """A bar chart of a long-form table (rows of dicts)."""
+         log_y: bool = False, text: str | None = None, facet_row: str | None = None):
+    """A grouped bar chart of a long-form table (rows of dicts)."""
     import pandas as pd
     import plotly.express as px
 
     frame = pd.DataFrame(list(rows))
     fig = px.bar(frame, x=x, y=y, color=color, barmode="group", log_y=log_y, text=text,
-                 title=title)
-    fig.update_layout(height=380, margin=dict(l=10, r=10, t=40, b=10))
+                 title=title, facet_row=facet_row)
+    if text:
+        fig.update_traces(texttemplate="%{y:.3g}", textposition="outside", cliponaxis=False)
+    rows_ = frame[facet_row].nunique() if facet_row else 1
+    fig.update_layout(height=380 * rows_, margin=dict(l=10, r=10, t=40, b=10))
     return fig

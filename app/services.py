@@ -221,33 +221,89 @@ def as_problem(exc: BaseException, code: str, stage: str) -> CodeProblem:
     return problem_from_exception(exc, code, stage)
 
 
-def _slice_mod(fn: Callable, b0: int, h0: int, score: bool) -> Callable:
-    """``fn`` seen from one (b, h): indices 0 mean ``(b0, h0)`` (to draw a single head)."""
+def _slice_mod(fn: Callable, b0: int, h0: int, score: bool, q0: int = 0) -> Callable:
+    """``fn`` seen from one (b, h) and a row offset: index 0 means ``(b0, h0, q0)``."""
     if score:
         def sliced(s, b, h, q_idx, kv_idx):
-            return fn(s, b + b0, h + h0, q_idx, kv_idx)
+            return fn(s, b + b0, h + h0, q_idx + q0, kv_idx)
     else:
         def sliced(b, h, q_idx, kv_idx):
-            return fn(b + b0, h + h0, q_idx, kv_idx)
+            return fn(b + b0, h + h0, q_idx + q0, kv_idx)
     sliced.__name__ = getattr(fn, "__name__", "mod")
     return sliced
+
+
+def _pool_factors(rows: int, cols: int, max_side: int = MAX_PIXELS) -> tuple[int, int]:
+    return max(1, math.ceil(rows / max_side)), max(1, math.ceil(cols / max_side))
+
+
+def _pool_sums(array, rs: int, cs: int):
+    """Sums over rs x cs tiles of a 2-D array (ragged edges padded with zeros)."""
+    import numpy as np
+
+    rows, cols = array.shape
+    padded = np.pad(array.astype(np.float64), ((0, (-rows) % rs), (0, (-cols) % cs)))
+    return padded.reshape(padded.shape[0] // rs, rs, padded.shape[1] // cs, cs).sum(axis=(1, 3))
 
 
 def _pool(array, max_side: int = MAX_PIXELS):
     """Average-pool a 2-D array so neither side exceeds ``max_side``; returns (array, (rs, cs))."""
     import numpy as np
 
-    rows, cols = array.shape
-    rs, cs = max(1, math.ceil(rows / max_side)), max(1, math.ceil(cols / max_side))
-    if rs == 1 and cs == 1:
+    rs, cs = _pool_factors(*array.shape, max_side)
+    if (rs, cs) == (1, 1):
         return array.astype(np.float32), (1, 1)
-    pr, pc = (-rows) % rs, (-cols) % cs
-    valid = np.pad(np.ones_like(array, dtype=np.float32), ((0, pr), (0, pc)))
-    padded = np.pad(np.nan_to_num(array.astype(np.float32)), ((0, pr), (0, pc)))
-    shape4 = (padded.shape[0] // rs, rs, padded.shape[1] // cs, cs)
-    sums = padded.reshape(shape4).sum(axis=(1, 3))
-    counts = valid.reshape(shape4).sum(axis=(1, 3))
-    return sums / np.maximum(counts, 1), (rs, cs)
+    sums = _pool_sums(np.nan_to_num(array), rs, cs)
+    counts = _pool_sums(np.ones(array.shape), rs, cs)
+    return (sums / np.maximum(counts, 1)).astype(np.float32), (rs, cs)
+
+
+#: Positions evaluated at once when drawing a long mask (bounded memory at any sequence length).
+_CHUNK_POSITIONS = 1 << 24
+
+
+def _pooled_rows(evaluate: Callable, L: int, S: int) -> dict:
+    """Evaluate a (rows, S) slab at a time and pool it, so long sequences never materialise L x S.
+
+    ``evaluate(q0, rows) -> (kept bool array, values float array or None)``.
+
+    Returns:
+        ``{"kept": exact kept count, "frac": pooled fraction kept, "mean": pooled mean of the
+        values over kept positions (or None), "pool": (rs, cs)}``.
+    """
+    import numpy as np
+
+    rs, cs = _pool_factors(L, S)
+    step = max(rs, (_CHUNK_POSITIONS // max(S, 1)) // rs * rs)
+    kept_sum, frac, mean = 0, [], []
+    for q0 in range(0, L, step):
+        rows = min(step, L - q0)
+        keep, values = evaluate(q0, rows)
+        kept_sum += int(keep.sum())
+        k = _pool_sums(keep, rs, cs)
+        n = _pool_sums(np.ones(keep.shape), rs, cs)
+        frac.append(k / np.maximum(n, 1))
+        if values is not None:
+            v = _pool_sums(np.where(keep, values, 0.0), rs, cs)
+            mean.append(np.where(k > 0, v / np.maximum(k, 1), np.nan))
+    return {"kept": kept_sum, "frac": np.concatenate(frac).astype(np.float32),
+            "mean": np.concatenate(mean).astype(np.float32) if mean else None, "pool": (rs, cs)}
+
+
+def _mask_pooled(mask_mod: Callable | None, b: int, h: int, L: int, S: int) -> dict:
+    """Pooled token-level mask of head (b, h), with the exact number of kept positions."""
+    import numpy as np
+
+    if mask_mod is None:
+        return _pooled_rows(lambda q0, rows: (np.ones((rows, S), dtype=bool), None), L, S)
+    create_mask = need("flexcore", "create_mask")
+
+    def evaluate(q0, rows):
+        dense = create_mask(_slice_mod(mask_mod, b, h, False, q0), 1, 1, rows, S,
+                            device=limits().device)[0, 0]
+        return dense.cpu().numpy(), None
+
+    return _pooled_rows(evaluate, L, S)
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
@@ -255,17 +311,9 @@ def mask_view(code: str, shape: dict, b: int, h: int) -> dict:
     """The token-level mask of head (b, h): pooled for display, with exact counts."""
     mods = load_mods(code, shape)
     L, S = shape["Q_LEN"], shape["KV_LEN"]
-    if mods.mask_mod is None:
-        import numpy as np
-        return {"pooled": np.ones((min(L, MAX_PIXELS), min(S, MAX_PIXELS)), dtype="float32"),
-                "pool": (max(1, math.ceil(L / MAX_PIXELS)), max(1, math.ceil(S / MAX_PIXELS))),
-                "kept": L * S, "total": L * S, "has_mask": False}
-    create_mask = need("flexcore", "create_mask")
-    dense = create_mask(_slice_mod(mods.mask_mod, b, h, False), 1, 1, L, S,
-                        device=limits().device)[0, 0]
-    kept = int(dense.sum())
-    pooled, pool = _pool(dense.cpu().numpy())
-    return {"pooled": pooled, "pool": pool, "kept": kept, "total": L * S, "has_mask": True}
+    pooled = _mask_pooled(mods.mask_mod, b, h, L, S)
+    return {"pooled": pooled["frac"], "pool": pooled["pool"], "kept": pooled["kept"],
+            "total": L * S, "has_mask": mods.mask_mod is not None}
 
 
 @st.cache_resource(show_spinner=False, max_entries=16)
@@ -305,28 +353,36 @@ def block_view(code: str, shape: dict, b: int, h: int) -> dict:
 
 @st.cache_data(show_spinner=False, max_entries=64)
 def score_view(code: str, shape: dict, b: int, h: int, zero_scores: bool) -> dict:
-    """Post-score_mod scores of head (b, h) through the generated Triton code (masked = NaN)."""
+    """Post-score_mod scores of head (b, h) through the generated Triton code (masked = NaN).
+
+    Pooled pixels show the mean over the kept positions they cover.
+    """
+    import numpy as np
     import torch
 
     evaluate_mods = need("flexcore.lowering", "evaluate_mods")
     mods = load_mods(code, shape)
     L, S = shape["Q_LEN"], shape["KV_LEN"]
-    score_mod = _slice_mod(mods.score_mod, b, h, True) if mods.score_mod else None
-    mask_mod = _slice_mod(mods.mask_mod, b, h, False) if mods.mask_mod else None
     generator = torch.Generator().manual_seed(0)
-    score = (torch.zeros(1, 1, L, S) if zero_scores
-             else torch.randn(1, 1, L, S, generator=generator))
-    scores, mask = evaluate_mods(score_mod, mask_mod, 1, 1, L, S, device=limits().device, score=score)
-    scores = torch.where(mask, scores, torch.full_like(scores, float("nan")))[0, 0].cpu().numpy()
-    finite = scores[~(scores != scores)]
-    pooled, pool = _pool(scores)
-    if (pool != (1, 1)):
-        import numpy as np
-        kept_frac, _ = _pool(mask[0, 0].cpu().numpy())
-        pooled = np.where(kept_frac > 0, pooled / np.maximum(kept_frac, 1e-9), np.nan)
-    return {"pooled": pooled, "pool": pool,
-            "min": float(finite.min()) if finite.size else float("nan"),
-            "max": float(finite.max()) if finite.size else float("nan"),
+    bounds = [np.inf, -np.inf]
+
+    def evaluate(q0, rows):
+        score_mod = _slice_mod(mods.score_mod, b, h, True, q0) if mods.score_mod else None
+        mask_mod = _slice_mod(mods.mask_mod, b, h, False, q0) if mods.mask_mod else None
+        score = (torch.zeros(1, 1, rows, S) if zero_scores
+                 else torch.randn(1, 1, rows, S, generator=generator))
+        scores, mask = evaluate_mods(score_mod, mask_mod, 1, 1, rows, S, device=limits().device,
+                                     score=score)
+        keep, values = mask[0, 0].cpu().numpy(), scores[0, 0].cpu().numpy()
+        if keep.any():
+            bounds[0] = min(bounds[0], float(values[keep].min()))
+            bounds[1] = max(bounds[1], float(values[keep].max()))
+        return keep, values
+
+    pooled = _pooled_rows(evaluate, L, S)
+    finite = bool(np.isfinite(bounds).all())
+    return {"pooled": pooled["mean"], "pool": pooled["pool"],
+            "min": bounds[0] if finite else float("nan"), "max": bounds[1] if finite else float("nan"),
             "has_score_mod": mods.score_mod is not None}
 
 
@@ -684,12 +740,23 @@ def load_uploaded(name: str, data: bytes) -> dict:
     return loaded
 
 
+def short_variant(variant: str) -> str:
+    """A variant spec for display: a mod file's stem instead of its full path."""
+    from pathlib import Path
+
+    if variant.endswith(".py") or "/" in variant:
+        return Path(variant.split(":", 1)[0]).stem
+    return variant
+
+
 def timing_table(results: dict, label: str) -> list[dict]:
     """Long-form rows of time_ms / tflops per case and provider, tagged with ``label``."""
     out = []
     for r in results.get("rows", []):
         if r.get("metric") in ("time_ms", "tflops") and r.get("status") == "ok" and r.get("value") is not None:
-            out.append({"file": label, "case": r["case_id"], "variant": r["variant"],
+            variant = short_variant(str(r["variant"]))
+            case = str(r["case_id"]).replace(str(r["variant"]), variant, 1)
+            out.append({"file": label, "case": case, "variant": variant,
                         "provider": r["provider"], "metric": r["metric"], "value": r["value"],
                         "dtype": r["dtype"], "pass": r.get("pass", r.get("pass_"))})
     return out
@@ -828,18 +895,10 @@ def variant_mods(name: str, params_key: tuple, q_len: int, heads: int):
 @st.cache_data(show_spinner=False, max_entries=64)
 def gallery_view(name: str, params_key: tuple, q_len: int, heads: int, h: int, block_size: int) -> dict:
     """Mask heatmap data and block map of a variant at the given parameters, for head ``h``."""
-    create_mask = need("flexcore", "create_mask")
     mods = variant_mods(name, params_key, q_len, heads)
     L, S = mods.shape.Q_LEN, mods.shape.KV_LEN
-    if mods.mask_mod is not None:
-        dense = create_mask(_slice_mod(mods.mask_mod, 0, h, False), 1, 1, L, S,
-                            device=limits().device)[0, 0]
-        kept = int(dense.sum())
-        pooled, pool = _pool(dense.cpu().numpy())
-    else:
-        import numpy as np
-        kept, pool = L * S, (max(1, math.ceil(L / MAX_PIXELS)), max(1, math.ceil(S / MAX_PIXELS)))
-        pooled = np.ones((math.ceil(L / pool[0]), math.ceil(S / pool[1])), dtype="float32")
+    pooled_mask = _mask_pooled(mods.mask_mod, 0, h, L, S)
+    pooled, pool, kept = pooled_mask["frac"], pooled_mask["pool"], pooled_mask["kept"]
     bm = mods.create_block_mask(BLOCK_SIZE=block_size)
     block_map = bm.block_map()
     hh = min(h, block_map.shape[1] - 1)

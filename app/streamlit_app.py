@@ -4,6 +4,7 @@ Run with ``make app`` or ``python -m streamlit run app/streamlit_app.py`` from t
 """
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 
@@ -14,16 +15,20 @@ _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
-from flexcore._runtime import prepare_triton  # noqa: E402 - needs the path above
+st.set_page_config(page_title="flexlab workbench", page_icon=":material/science:", layout="wide")
 
-# Before anything imports triton: on machines without a GPU, kernels run under its interpreter,
-# which must be selected before any @triton.jit decorator runs.
-prepare_triton()
+try:
+    from flexcore._runtime import prepare_triton
+
+    # Before anything imports triton: without a GPU, kernels run under Triton's interpreter,
+    # which must be selected before any @triton.jit decorator runs.
+    prepare_triton()
+except Exception as exc:  # noqa: BLE001 - the Environment page explains what is missing
+    st.sidebar.warning(f"flexcore cannot be imported: {type(exc).__name__}: {exc}")
 
 from app import sandbox  # noqa: E402
 
-st.set_page_config(page_title="flexlab workbench", page_icon=":material/science:", layout="wide")
-# The child process that first runs the user's code imports torch: start it before it is needed.
+# The process that first runs the user's code imports torch: start it before it is needed.
 sandbox.warm()
 
 pages = [
@@ -32,4 +37,11 @@ pages = [
     st.Page("app_pages/benchmarks.py", title="Benchmarks", icon=":material/bar_chart:"),
     st.Page("app_pages/environment.py", title="Environment", icon=":material/memory:"),
 ]
-st.navigation(pages).run()
+page = st.navigation(pages)
+try:
+    page.run()
+except Exception as exc:  # noqa: BLE001 - last resort: an error box, never a traceback page
+    logging.getLogger("flexlab.app").exception("uncaught error on page %s", page.title)
+    st.error(f"**Something went wrong on this page:** {type(exc).__name__}: {exc}\n\n"
+             "Your code and settings are kept. The full traceback is in the server's log.",
+             icon=":material/error:")

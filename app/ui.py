@@ -289,17 +289,25 @@ def benchmark_panel(code: str, shape: dict) -> None:
         show_problem(result["problem"])
         return
     st.session_state["pg_bench_path"] = result.get("path")
-    st.session_state["pg_results_bench"] = result["rows"]
-    ok = [r for r in result["rows"] if r.get("ms") is not None]
+    ran = [r for r in result["rows"] if r.get("ms") is not None]
+    st.session_state["pg_results_bench"] = ran
     label = " (CPU: not representative)" if lim.cpu_mode else ""
-    if ok:
+    if ran:
         c1, c2 = st.columns(2)
-        c1.plotly_chart(plots.bars(ok, "provider", "ms", f"Latency, ms{label}", text="ms"),
-                        key="pg_bench_ms", width="stretch")
-        if any(r.get("tflops") is not None for r in ok):
-            c2.plotly_chart(plots.bars(ok, "provider", "tflops", f"TFLOP/s{label}"),
+        c1.plotly_chart(plots.bars(ran, "provider", "ms", f"Median latency, ms{label}", log_y=True,
+                                   text="ms"), key="pg_bench_ms", width="stretch")
+        if any(r.get("tflops") is not None for r in ran):
+            c2.plotly_chart(plots.bars(ran, "provider", "tflops", f"TFLOP/s{label}", text="tflops"),
                             key="pg_bench_tf", width="stretch")
-    st.dataframe(result["rows"], hide_index=True, width="stretch")
+        st.dataframe([{"provider": r["provider"], "median ms": f"{r['ms']:.4g}",
+                       "TFLOP/s": "" if r["tflops"] is None else f"{r['tflops']:.4g}",
+                       "max |out − float64|": "" if r["out_max_abs"] is None
+                       else f"{r['out_max_abs']:.3e}", "how": r["note"]} for r in ran],
+                     hide_index=True, width="stretch")
+    others = [r for r in result["rows"] if r.get("ms") is None]
+    if others:
+        st.markdown("**Not timed here**\n\n" + "\n".join(
+            f"- `{r['provider']}` ({r['status']}): {r['note'] or 'no reason given'}" for r in others))
 
 
 def gradients_panel(code: str, shape: dict) -> None:
@@ -323,28 +331,39 @@ def gradients_panel(code: str, shape: dict) -> None:
         show_problem(result["problem"])
         return
     st.session_state["pg_results_grad"] = result["rows"]
+    for note in result["notes"]:
+        if note.startswith("flexcore"):
+            st.warning(note, icon=":material/construction:")
     if result["rows"]:
         st.plotly_chart(plots.bars(result["rows"], "tensor", "max_abs",
                                    f"max |grad − float64 grad|, {req['shape']['dtype']}",
                                    color="source", log_y=True), key="pg_grad_fig", width="stretch")
         st.dataframe([{**r, **{k: f"{r[k]:.3e}" for k in ("max_abs", "mean_abs", "rel_fro")}}
                       for r in result["rows"]], hide_index=True, width="stretch")
-    for note in result["notes"]:
-        st.info(note, icon=":material/info:")
+    others = [n for n in result["notes"] if not n.startswith("flexcore")]
+    if others:
+        st.markdown("**Not compared**\n\n" + "\n".join(f"- {n}" for n in others))
 
 
 def export_panel(code: str, shape: dict) -> None:
     results = {k: st.session_state[f"pg_results_{k}"] for k in ("check", "bench", "grad")
                if f"pg_results_{k}" in st.session_state}
-    if not results:
-        st.caption("Run Check, Benchmark or Gradients first; the export holds their results.")
-    try:
-        files = services.export(code, shape, results, st.session_state.get("pg_bench_path"))
-    except services.Unavailable as e:
-        unavailable("Report export", str(e))
-        files = {"json": services.export_json(code, shape, results)}
-    cols = st.columns(len(files))
+    included = {"check": "Check", "grad": "Gradients", "bench": "Benchmark (with bench's report)"}
+    st.caption("The export holds the code, the shape" + "".join(
+        f", {included[k]}" for k in included if k in results) + ". Run Check, Benchmark or "
+        "Gradients to add their results.")
+    if st.button("Prepare the report", key="pg_export_btn"):
+        try:
+            files = services.export(code, shape, results, st.session_state.get("pg_bench_path"))
+        except services.Unavailable as e:
+            unavailable("bench's report", str(e))
+            files = {"json": services.export_json(code, shape, results)}
+        st.session_state["pg_export_files"] = files
+    files = st.session_state.get("pg_export_files")
+    if not files:
+        return
     mime = {"json": "application/json", "md": "text/markdown", "html": "text/html"}
-    for col, (ext, data) in zip(cols, files.items()):
-        col.download_button(f"Download .{ext}", data, file_name=f"flexlab-experiment.{ext}",
-                            mime=mime.get(ext, "text/plain"), key=f"pg_dl_{ext}")
+    cols = st.columns([1, 1, 1, 3])
+    for col, ext in zip(cols, [e for e in ("html", "md", "json") if e in files]):
+        col.download_button(f"Download .{ext}", files[ext], file_name=f"flexlab-experiment.{ext}",
+                            mime=mime[ext], key=f"pg_dl_{ext}")

@@ -20,10 +20,14 @@ _LAZY = {
     "BlockMask": "flexcore.blockmask",
     "create_block_mask": "flexcore.blockmask",
     "create_mask": "flexcore.blockmask",
+    "PagedAttention": "flexcore.paged",
+    "offset_mask_mod": "flexcore.decoding",
+    "offset_score_mod": "flexcore.decoding",
 }
 
 __all__ = ["flex_attention", "create_block_mask", "create_mask", "BlockMask", "and_masks",
-           "or_masks", "noop_mask", "KernelOptions", "ScoreMod", "MaskMod"]
+           "or_masks", "noop_mask", "KernelOptions", "ScoreMod", "MaskMod", "PagedAttention",
+           "offset_mask_mod", "offset_score_mod"]
 
 
 def __getattr__(name: str):

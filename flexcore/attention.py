@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor
 
-from flexcore._runtime import use_interpreter
+from flexcore._runtime import prepare_triton, use_interpreter
 from flexcore._types import ScoreMod
 from flexcore.errors import InputError
 from flexcore.options import KernelOptions
@@ -37,8 +37,9 @@ def validate_inputs(query, key, value, block_mask, scale, enable_gqa) -> None:
     B, Hq, L, D = query.shape
     Bk, Hkv, S, Dk = key.shape
     Bv, Hv, Sv, Dv = value.shape
-    if Bk != B or Bv != B:
-        raise InputError(f"batch sizes differ: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}")
+    if Bk not in (1, B) or Bv != Bk:
+        raise InputError(f"batch sizes differ: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}; "
+                         "key and value need the query's batch size, or 1 to share one cache")
     if Hv != Hkv:
         raise InputError(f"key has {Hkv} heads but value has {Hv}: they must match "
                          f"(key {_shape(key)}, value {_shape(value)})")
@@ -113,9 +114,15 @@ def _kv_blocks(block_mask, B, Hq):
 class _FlexAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, score_lowered, mask_lowered, blocks, scale, opts):
+        from flexcore.kernels.decode import decode, use_decode_kernel
         from flexcore.kernels.forward import forward
 
-        out, lse = forward(query, key, value, score_lowered, mask_lowered, blocks, scale, opts)
+        if use_decode_kernel(query.shape[2], opts):
+            out, lse = decode(query, key, value, score_lowered, mask_lowered, blocks, scale, opts)
+        else:
+            B = query.shape[0]  # a shared (batch 1) cache is read through stride-0 views
+            out, lse = forward(query, key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1),
+                               score_lowered, mask_lowered, blocks, scale, opts)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -151,6 +158,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
     """
     from flexcore.lowering import lower_mask_mod, lower_score_mod
 
+    prepare_triton()  # before anything imports triton's jit machinery on an interpreter machine
     validate_inputs(query, key, value, block_mask, scale, enable_gqa)
     opts = KernelOptions.from_any(kernel_options)
     if score_mod is not None and not callable(score_mod):

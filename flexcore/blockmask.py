@@ -25,7 +25,7 @@ from typing import Iterator, NamedTuple
 import torch
 from torch import Tensor
 
-from flexcore._runtime import default_device
+from flexcore._runtime import default_device, prepare_triton
 from flexcore._types import MaskMod, ScoreMod
 from flexcore.errors import (ControlFlowError, FlexError, InputError, ModError, ModReturnError,
                              ModSignatureError)
@@ -873,6 +873,7 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
         >>> bm = create_block_mask(causal, None, None, 4096, 4096, device="cuda")
         >>> out = flex_attention(q, k, v, block_mask=bm)
     """
+    prepare_triton()  # the GPU path traces and compiles the mask_mod
     _mod_kind(mask_mod, "create_block_mask")
     B = _positive_int(B, "B", allow_none=True) or 1
     H = _positive_int(H, "H", allow_none=True) or 1

@@ -76,11 +76,15 @@ if lim.cpu_mode and any("this machine" in c for c in chosen):
 if table:
     cases = sorted({r["case"] for r in table})
     case = st.selectbox("Case", ["all cases"] + cases, key="bm_case")
-    rows = table if case == "all cases" else [r for r in table if r["case"] == case]
-    fig = plots.bars(rows, "provider", "value", f"{metric} by provider", color="file",
-                     log_y=(metric == "time_ms" and case == "all cases"))
+    label = {"time_ms": "median latency, ms", "tflops": "TFLOP/s"}[metric]
+    if case == "all cases":
+        fig = plots.bars(table, "case", "value", f"{label}, every case", color="provider",
+                         facet_row="file" if len(chosen) > 1 else None, log_y=metric == "time_ms")
+    else:
+        rows = [r for r in table if r["case"] == case]
+        fig = plots.bars(rows, "provider", "value", f"{label}: {case}", color="file", text="value")
     st.plotly_chart(fig, key="bm_fig", width="stretch")
-    st.dataframe(rows, hide_index=True, width="stretch")
+    st.dataframe(table if case == "all cases" else rows, hide_index=True, width="stretch")
 else:
     st.warning("No successful timings in the chosen results.")
 

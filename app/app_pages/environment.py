@@ -23,15 +23,15 @@ c4.metric("streamlit", info["streamlit"])
 st.subheader("Attention providers")
 try:
     rows = services.providers()
-    st.dataframe([{"provider": r["name"], "available": "yes" if r["available"] else "no",
-                   "detail / why not": r["reason"]} for r in rows], hide_index=True, width="stretch")
+    # A static table: the reasons are sentences and must wrap, not be cut off.
+    st.table([{"provider": r["name"], "available": "yes" if r["available"] else "no",
+               "detail / why not": r["reason"]} for r in rows])
 except services.Unavailable as e:
     st.warning(f"The provider list is unavailable: {e}", icon=":material/construction:")
 
 st.subheader("Versions and machine")
 details = {"python": info["python"], **info.get("bench_env", {})}
-st.dataframe([{"key": k, "value": str(v)} for k, v in details.items()], hide_index=True,
-             width="stretch")
+st.table([{"key": k, "value": str(v)} for k, v in details.items()])
 if "bench_env_error" in info:
     st.caption(f"bench's environment capture is unavailable: {info['bench_env_error']}")
 

@@ -22,7 +22,8 @@ with st.expander("All variants", expanded=False):
 
 names = [v["name"] for v in catalog]
 by_name = {v["name"]: v for v in catalog}
-name = st.selectbox("Variant", names, key="gallery_variant",
+default = names.index("sliding_window") if "sliding_window" in names else 0
+name = st.selectbox("Variant", names, index=default, key="gallery_variant",
                     format_func=lambda n: f"{by_name[n]['title']}  ·  {n}  [{by_name[n]['kind']}]")
 entry = by_name[name]
 variant = services.variant(name)

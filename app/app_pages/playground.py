@@ -32,6 +32,7 @@ with left:
                                      "block map and scores")
     if row[1].button("Reset to template", key="pg_template"):
         editor.set_code(TEMPLATE)
+        ui.clear_playground_results()
         st.rerun()
     row[2].toggle("Plain text editor", key=editor.PLAIN_KEY,
                   help="Use a plain text area instead of the syntax-highlighting editor")
@@ -42,7 +43,11 @@ prepared = None
 if active is not None:
     with st.spinner("Checking the code in a child process…"):
         prepared = services.prepare(active["code"], active["shape"])
-    st.session_state["playground_problem"] = None if prepared["ok"] else prepared["problem"]
+    problem = None if prepared["ok"] else prepared["problem"]
+    if problem != st.session_state.get("playground_problem"):
+        # Draw again so that the editor marks the offending line in its gutter.
+        st.session_state["playground_problem"] = problem
+        st.rerun()
     if active["code"] != code or active["shape"] != shape:
         left.warning("The code or shape changed since the last run: press **Visualise** "
                      "(or Check, Benchmark, Gradients) to update the views.", icon=":material/edit:")

@@ -56,10 +56,29 @@ def q_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, 2-byte dtypes. dK/dV programs own
 # BLOCK_N keys and step over BLOCK_M queries; dQ programs own BLOCK_M queries and step over BLOCK_N
-# keys. Measured on an H200 (bf16, B=4, H=16, S=4096, causal): for D=128 these give about 355
-# TFLOP/s for the backward alone; deeper pipelines on dQ run out of shared memory.
+# keys. Measured on an H200 (bf16, B=4, H=16, S=4096, causal): for D=128 about 345 TFLOP/s for
+# the backward alone. A mod with many live values can still exceed shared memory: see _launch.
 _DKDV_CONFIGS = {64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 1)}
-_DQ_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (64, 32, 4, 1)}
+_DQ_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 1)}
+
+
+def _launch(kernel, grid, args, bm: int, bn: int, meta: dict, kwargs: dict) -> None:
+    """Launch; on the GPU, when a config runs out of shared memory, retry with fewer pipeline
+    stages, then with halved tiles (halving keeps them dividing the mask blocks)."""
+    while True:
+        try:
+            kernel[grid(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, **meta, **kwargs)
+            return
+        except Exception as e:  # noqa: BLE001 - only triton's OutOfResources is retried
+            if type(e).__name__ != "OutOfResources":
+                raise
+            stages = meta.get("num_stages", 1)
+            if stages > 1:
+                meta = dict(meta, num_stages=stages - 1)
+            elif max(bm, bn) > 16:
+                bm, bn = (bm // 2, bn) if bm >= bn else (bm, bn // 2)
+            else:
+                raise
 
 
 def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int, sparse_kv: int):
@@ -156,26 +175,25 @@ def backward(q, k, v, out, lse, grad_out, score_lowered, score_bwd_lowered, mask
 
     qn = q_blocks.full_num_blocks if q_blocks.full_num_blocks is not None else q_blocks.num_blocks
     qi = q_blocks.full_indices if q_blocks.full_indices is not None else q_blocks.indices
-    module.flex_bwd_dkdv_kernel[(math.ceil(S / bn1), B * Hkv)](
+    _launch(module.flex_bwd_dkdv_kernel, lambda bm, bn: (math.ceil(S / bn), B * Hkv), (
         q, k, v, grad_out, dk, dv, lse, delta,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
         q_blocks.num_blocks, q_blocks.indices, qn, qi,
         *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3],
         *qn.stride(), *qi.stride()[:3],
-        L, S, Hq, Hkv, scale, scale * _LOG2E, *caps, *grad_args,
-        GQA_GROUP=Hq // Hkv, BLOCK_M=bm1, BLOCK_N=bn1,
-        WRITE_CAPTURED_GRADS=bool(grad_buffers), **common, **meta1)
+        L, S, Hq, Hkv, scale, scale * _LOG2E, *caps, *grad_args),
+        bm1, bn1, meta1, dict(GQA_GROUP=Hq // Hkv, WRITE_CAPTURED_GRADS=bool(grad_buffers), **common))
 
     kn = kv_blocks.full_num_blocks if kv_blocks.full_num_blocks is not None else kv_blocks.num_blocks
     ki = kv_blocks.full_indices if kv_blocks.full_indices is not None else kv_blocks.indices
-    module.flex_bwd_dq_kernel[(math.ceil(L / bm2), B * Hq)](
+    _launch(module.flex_bwd_dq_kernel, lambda bm, bn: (math.ceil(L / bm), B * Hq), (
         q, k, v, grad_out, dq, lse, delta,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
         kv_blocks.num_blocks, kv_blocks.indices, kn, ki,
         *kv_blocks.num_blocks.stride(), *kv_blocks.indices.stride()[:3],
         *kn.stride(), *ki.stride()[:3],
-        L, S, Hq, scale, scale * _LOG2E, *caps, *grad_args,
-        GQA_GROUP=Hq // Hkv, BLOCK_M=bm2, BLOCK_N=bn2, **common, **meta2)
+        L, S, Hq, scale, scale * _LOG2E, *caps, *grad_args),
+        bm2, bn2, meta2, dict(GQA_GROUP=Hq // Hkv, **common))
 
     captured_grads = []
     for i, t in enumerate(captured):

@@ -13,9 +13,16 @@ def evaluate_module(score: LoweredMod, mask: LoweredMod):
     return kcodegen.load_kernel_module("evaluate.py.tmpl", score, mask)
 
 
+def _default_block(n: int, cap: int) -> int:
+    block = 16
+    while block < n and block < cap:
+        block *= 2
+    return block
+
+
 def evaluate_mods(score_mod=None, mask_mod=None, B: int = 1, H: int = 1, Q_LEN: int = 128,
                   KV_LEN: int = 128, device=None, score: torch.Tensor | None = None, *,
-                  block_m: int = 32, block_n: int = 32, index_tiles: bool = False,
+                  block_m: int | None = None, block_n: int | None = None, index_tiles: bool = False,
                   generator: torch.Generator | None = None):
     """Evaluate mods densely through their generated Triton code.
 
@@ -24,7 +31,8 @@ def evaluate_mods(score_mod=None, mask_mod=None, B: int = 1, H: int = 1, Q_LEN: 
         B, H, Q_LEN, KV_LEN: grid size.
         device: where to run (default: the captured tensors' device, else flexcore's default).
         score: float32 input scores ``(B, H, Q_LEN, KV_LEN)``; standard normal when None.
-        block_m, block_n: tile sizes (powers of two).
+        block_m, block_n: tile sizes (powers of two); by default 64 on a GPU and up to 256 under
+            the interpreter, whose cost is per tile rather than per element.
         index_tiles: pass ``b``/``h`` to the mods as ``[BLOCK_M, 1]`` tiles (decode-style).
 
     Returns:
@@ -36,7 +44,7 @@ def evaluate_mods(score_mod=None, mask_mod=None, B: int = 1, H: int = 1, Q_LEN: 
         >>> mask[0, 0].int().tolist()
         [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
     """
-    from flexcore._runtime import default_device
+    from flexcore._runtime import default_device, use_interpreter
 
     lowered_score = lower_score_mod(score_mod)
     lowered_mask = lower_mask_mod(mask_mod)
@@ -61,6 +69,9 @@ def evaluate_mods(score_mod=None, mask_mod=None, B: int = 1, H: int = 1, Q_LEN: 
     score = score.to(device).contiguous()
     out = torch.empty(shape, dtype=torch.float32, device=device)
     mask = torch.empty(shape, dtype=torch.int8, device=device)
+    cap = 256 if use_interpreter() else 64
+    block_m = block_m or _default_block(Q_LEN, cap)
+    block_n = block_n or _default_block(KV_LEN, cap)
     module = evaluate_module(lowered_score, lowered_mask)
     grid = (-(-Q_LEN // block_m), -(-KV_LEN // block_n), B * H)
     module._evaluate_kernel[grid](

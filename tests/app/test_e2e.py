@@ -55,15 +55,16 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     port = _free_port()
     ARTIFACTS.mkdir(exist_ok=True)
     log = open(ARTIFACTS / "streamlit-e2e.log", "w")
+    env = {**os.environ, "FLEXLAB_RESULTS_DIR": str(tmp_path_factory.mktemp("results"))}
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app/streamlit_app.py", "--server.headless", "true",
          "--server.address", "127.0.0.1", "--server.port", str(port),
          "--browser.gatherUsageStats", "false"],
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc)
@@ -122,6 +123,23 @@ def test_edit_mod_and_check_in_browser(server):
             assert page.get_by_text("Check passed for float32, float16, bfloat16").count() == 1, \
                 "flexcore should pass the check for a causal mask in every dtype"
             assert page.get_by_text("Traceback").count() == 0
+
+            # The other tabs, run from the browser too.
+            for tab, button, ready in (("Block map", None, "Sparsity (blocks skipped)"),
+                                       ("Scores", None, "Scores after score_mod"),
+                                       ("Triton code", None, "mask_mod_fn"),
+                                       ("Gradients", "Gradients", "max |grad"),
+                                       ("Benchmark", "Benchmark", "Median latency, ms"),
+                                       ("Export", "Prepare the report", "Download .json")):
+                page.get_by_role("tab", name=tab).click()
+                if button:
+                    page.get_by_role("button", name=button, exact=True).click()
+                expect(page.get_by_text(ready, exact=False).first).to_be_visible(timeout=120_000)
+                page.mouse.move(0, 0)
+                page.wait_for_timeout(1500)
+                page.screenshot(path=str(ARTIFACTS / f"e2e-tab-{tab.lower().replace(' ', '-')}.png"),
+                                full_page=True)
+                assert errors.count() == 0, errors.first.inner_text()
 
             # The other pages, for a person to look at.
             for name, ready in (("Gallery", "Open in Playground"), ("Environment", "Attention providers"),

@@ -178,7 +178,7 @@ def test_bad_input_names_the_argument(case):
     if case == "rank":
         q, match = q[0], r"query has shape \(4, 64, 32\); expected 4 dims"
     elif case == "batch":
-        k, v, match = k[:1], v[:1], "batch sizes differ"
+        k, v, match = torch.randn(3, 4, 64, 32), torch.randn(3, 4, 64, 32), "batch sizes differ"
     elif case == "heads":
         k, v, match = k[:, :2], v[:, :2], "enable_gqa=True"
     elif case == "gqa_divisible":
@@ -222,3 +222,13 @@ def test_head_dims(D, Dv):
     # Non-powers of two pad to the next one inside the kernel; Dv may differ from D.
     shape = Shape("dims", B=1, Hq=2, Hkv=1, L=45, S=70, D=D, Dv=Dv, block=32)
     check_forward(shape, "alibi", torch.float32, seed=D * 1000 + Dv)
+
+
+def test_shared_batch_one_cache():
+    # Key/value with batch 1 serve every query batch (a shared or paged cache), without a copy.
+    gen = torch.Generator().manual_seed(13)
+    q = torch.randn(3, 2, 40, 32, generator=gen)
+    k, v = (torch.randn(1, 2, 60, 32, generator=gen) for _ in range(2))
+    out = flex_attention(q, k, v)
+    gold = flex_attention_reference(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1))
+    assert rel_err(out, gold) < 1e-5

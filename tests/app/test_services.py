@@ -1,0 +1,58 @@
+"""The workbench's glue below the pages: drawing long masks in bounded memory, and the checker
+process that runs the user's code first."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app import sandbox, services
+
+SHAPE = {"B": 1, "Hq": 2, "Hkv": 2, "Q_LEN": 64, "KV_LEN": 64, "D": 16, "device": "cpu"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_checker():
+    yield
+    sandbox.shutdown()
+
+
+def test_long_masks_are_pooled_in_slabs_with_exact_counts(monkeypatch):
+    # 1000 x 700 pools by (4, 3) to at most 256 pixels a side; slabs of 1000 positions force many
+    # slabs, and both ragged edges.
+    monkeypatch.setattr(services, "_CHUNK_POSITIONS", 1000)
+    L, S = 1000, 700
+    rng = np.random.default_rng(0)
+    offset = int(rng.integers(-50, 50))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return q_idx + offset >= kv_idx
+
+    view = services._mask_pooled(mask_mod, 0, 0, L, S)
+    dense = np.arange(L)[:, None] + offset >= np.arange(S)[None, :]
+    assert view["kept"] == int(dense.sum()) == sum(max(0, min(q + offset + 1, S)) for q in range(L))
+    assert view["pool"] == (4, 3)
+    expected, _ = services._pool(dense.astype(np.float64))
+    np.testing.assert_allclose(view["frac"], expected, atol=1e-6)
+
+
+def test_checker_survives_a_crash_in_native_code():
+    code = "import ctypes\nctypes.string_at(0)\n"
+    result = sandbox.check_code(code, SHAPE, timeout_s=10)
+    assert not result["ok"] and "crash" in result["problem"]["message"]
+    # The next request is served normally.
+    ok = sandbox.check_code("def mask_mod(b, h, q_idx, kv_idx):\n    return q_idx >= kv_idx\n",
+                            SHAPE, timeout_s=10)
+    assert ok["ok"] and "q_idx >= kv_idx" in ok["mask_source"]
+
+
+def test_user_prints_do_not_break_the_checker():
+    code = "print('hello')\n\ndef mask_mod(b, h, q_idx, kv_idx):\n    print(q_idx)\n    return q_idx >= kv_idx\n"
+    result = sandbox.check_code(code, SHAPE, timeout_s=10)
+    assert result["ok"], result
+
+
+def test_endless_loop_at_top_level_is_stopped_with_its_line():
+    code = "import torch\n\nn = 0\nwhile True:\n    n += 1\n"
+    result = sandbox.check_code(code, SHAPE, timeout_s=2)
+    problem = result["problem"]
+    assert problem["kind"] == "timeout" and problem["lineno"] in (4, 5)
