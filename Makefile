@@ -33,7 +33,7 @@ app: $(STAMP)
 	$(PY) -m streamlit run app/streamlit_app.py
 
 bench-tiny: $(STAMP)
-	$(PY) -m bench run --config tiny
+	$(PY) -m bench run --config tiny --force
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

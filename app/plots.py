@@ -75,16 +75,38 @@ def error_heatmap(pooled, title: str):
 
 
 def bars(rows: Sequence[dict], x: str, y: str, title: str, color: str | None = None,
-         log_y: bool = False, text: str | None = None, facet_row: str | None = None):
+         log_y: bool = False, text: str | None = None):
     """A grouped bar chart of a long-form table (rows of dicts)."""
     import pandas as pd
     import plotly.express as px
 
     frame = pd.DataFrame(list(rows))
     fig = px.bar(frame, x=x, y=y, color=color, barmode="group", log_y=log_y, text=text,
-                 title=title, facet_row=facet_row)
+                 title=title)
     if text:
         fig.update_traces(texttemplate="%{y:.3g}", textposition="outside", cliponaxis=False)
-    rows_ = frame[facet_row].nunique() if facet_row else 1
-    fig.update_layout(height=380 * rows_, margin=dict(l=10, r=10, t=40, b=10))
+    if log_y:
+        fig.update_yaxes(dtick=1)  # label powers of ten only
+    fig.update_layout(height=380, margin=dict(l=10, r=10, t=40, b=10))
+    return fig
+
+
+def case_bars(rows: Sequence[dict], title: str, value_label: str, log_x: bool = False,
+              side_by_side: bool = False):
+    """Horizontal grouped bars, one group per case (readable with many long case names);
+    with ``side_by_side`` one panel per results file, sharing the case axis."""
+    import pandas as pd
+    import plotly.express as px
+
+    frame = pd.DataFrame(list(rows))
+    n_cases = frame["case"].nunique()
+    fig = px.bar(frame, y="case", x="value", color="provider", barmode="group", orientation="h",
+                 log_x=log_x, title=title, facet_col="file" if side_by_side else None,
+                 labels={"value": value_label})
+    fig.update_layout(height=max(380, 26 * n_cases * max(1, frame["provider"].nunique()) // 2 + 140),
+                      margin=dict(l=10, r=10, t=60, b=10))
+    fig.update_yaxes(autorange="reversed", title=None)
+    if log_x:
+        fig.update_xaxes(dtick=1)
+    fig.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]))
     return fig

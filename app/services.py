@@ -753,12 +753,25 @@ def timing_table(results: dict, label: str) -> list[dict]:
     """Long-form rows of time_ms / tflops per case and provider, tagged with ``label``."""
     out = []
     for r in results.get("rows", []):
-        if r.get("metric") in ("time_ms", "tflops") and r.get("status") == "ok" and r.get("value") is not None:
+        timed = r.get("metric") in ("time_ms", "tflops") and r.get("status") == "ok"
+        if timed and r.get("value") is not None:
             variant = short_variant(str(r["variant"]))
             case = str(r["case_id"]).replace(str(r["variant"]), variant, 1)
             out.append({"file": label, "case": case, "variant": variant,
                         "provider": r["provider"], "metric": r["metric"], "value": r["value"],
                         "dtype": r["dtype"], "pass": r.get("pass", r.get("pass_"))})
+    return out
+
+
+def status_table(results: dict, label: str) -> list[dict]:
+    """(provider, case) pairs that did not run or failed, with bench's reason."""
+    out = []
+    for r in results.get("rows", []):
+        if r.get("metric") == "status" or r.get("status") not in ("ok", None):
+            variant = short_variant(str(r["variant"]))
+            out.append({"file": label, "provider": r["provider"], "status": r["status"],
+                        "case": str(r["case_id"]).replace(str(r["variant"]), variant, 1),
+                        "metric": r["metric"], "reason": r.get("note", "")})
     return out
 
 

@@ -1,13 +1,16 @@
 """The code the Playground starts with."""
 
 TEMPLATE = '''\
-# Write a score_mod and/or a mask_mod in plain PyTorch; tensors they read are captured.
-# B, H (query heads), HKV, Q_LEN, KV_LEN, D and device come from the shape controls.
+# A score_mod and/or a mask_mod in plain PyTorch.
+# Tensors they read are captured. B, H (query heads),
+# HKV, Q_LEN, KV_LEN, D and device come from the controls.
 import torch
 
 WINDOW = 48
-# ALiBi slopes, one per query head; requires_grad makes Gradients compare d(slopes) too.
-slopes = torch.exp2(-8.0 * torch.arange(1, H + 1, device=device) / H).requires_grad_()
+# ALiBi slopes, one per query head; requires_grad makes
+# Gradients compare d(slopes) too.
+heads = torch.arange(1, H + 1, device=device)
+slopes = torch.exp2(-8.0 * heads / H).requires_grad_()
 
 
 def score_mod(score, b, h, q_idx, kv_idx):

@@ -163,7 +163,8 @@ def mismatch_warning(code: str, shape: dict) -> None:
         return
     if mismatch:
         st.warning("The code sets its own shape names: " + ", ".join(mismatch) + ". Its captured "
-                   "tensors follow the code; attention runs with the controls' shape.", icon=":material/straighten:")
+                   "tensors follow the code; attention runs with the controls' shape.",
+                   icon=":material/straighten:")
 
 
 def block_map_panel(code: str, shape: dict, b: int, h: int) -> None:
@@ -187,12 +188,20 @@ def block_map_panel(code: str, shape: dict, b: int, h: int) -> None:
                 f"of {total:,} blocks over all (b, h).")
     if "flops_dense" in view:
         saved = view["flops_dense"] - view["flops_sparse"]
-        c2.metric("FLOPs saved (forward)", f"{saved / 1e9:,.3f} GFLOP",
+        c2.metric("FLOPs saved (forward)", _flops(saved),
                   f"{100 * saved / view['flops_dense']:.1f} % of dense" if view["flops_dense"] else None)
-        c2.caption(f"{view['flops_sparse'] / 1e9:,.3f} GFLOP computed instead of "
-                   f"{view['flops_dense'] / 1e9:,.3f} (4·B·H·Q·KV·D per computed block).")
+        c2.caption(f"{_flops(view['flops_sparse'])} computed instead of "
+                   f"{_flops(view['flops_dense'])}: 2·B·Hq·Q_LEN·KV_LEN·(D + Dv) times the fraction "
+                   "of blocks computed (bench.flops).")
     else:
         c2.caption(view.get("flops_error", ""))
+
+
+def _flops(value: float) -> str:
+    for scale, unit in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP"), (1e6, "MFLOP")):
+        if value >= scale:
+            return f"{value / scale:,.2f} {unit}"
+    return f"{value:,.0f} FLOP"
 
 
 def scores_panel(code: str, shape: dict, b: int, h: int) -> None:
@@ -242,7 +251,8 @@ def check_panel(code: str, shape: dict, b: int, h: int) -> None:
     st.session_state["pg_results_check"] = result["rows"]
     rows = result["rows"]
     if rows and all(r["passed"] for r in rows):
-        st.success("Check passed for " + ", ".join(r["dtype"] for r in rows) + ".", icon=":material/check_circle:")
+        st.success("Check passed for " + ", ".join(r["dtype"] for r in rows) + ".",
+                   icon=":material/check_circle:")
     elif rows:
         st.error("Check failed for " + ", ".join(r["dtype"] for r in rows if not r["passed"]) + ".",
                  icon=":material/cancel:")

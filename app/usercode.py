@@ -174,6 +174,12 @@ def run_code(code: str, shape: dict) -> UserMods:
     ns = shape_namespace(shape)
     try:
         exec(compiled, ns)
+    except SystemExit as e:
+        lineno = user_lineno(e.__traceback__)
+        raise UserCodeError(CodeProblem(
+            "exception", "The code called exit()",
+            "exit() / sys.exit() would stop the workbench's process; remove the call.", lineno,
+            source_line(code, lineno))) from None
     except Exception as e:  # noqa: BLE001 - anything the user's code raises is reported as theirs
         raise UserCodeError(problem_from_exception(e, code, "while running the code")) from None
     score_mod, mask_mod = ns.get("score_mod"), ns.get("mask_mod")

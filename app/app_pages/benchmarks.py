@@ -64,7 +64,13 @@ if not runs:
     st.stop()
 
 st.divider()
-chosen = st.multiselect("Compare", list(runs), default=list(runs), key="bm_chosen")
+# Runs that just arrived (run, upload, found) join the comparison; removed ones stay removed.
+seen = st.session_state.setdefault("bm_seen", [])
+arrived = [label for label in runs if label not in seen]
+if arrived:
+    st.session_state["bm_chosen"] = [c for c in st.session_state.get("bm_chosen", []) if c in runs] + arrived
+    seen.extend(arrived)
+chosen = st.multiselect("Compare", list(runs), key="bm_chosen")
 if not chosen:
     st.stop()
 metric = st.radio("Metric", ["time_ms", "tflops"], horizontal=True, key="bm_metric",
@@ -78,8 +84,8 @@ if table:
     case = st.selectbox("Case", ["all cases"] + cases, key="bm_case")
     label = {"time_ms": "median latency, ms", "tflops": "TFLOP/s"}[metric]
     if case == "all cases":
-        fig = plots.bars(table, "case", "value", f"{label}, every case", color="provider",
-                         facet_row="file" if len(chosen) > 1 else None, log_y=metric == "time_ms")
+        fig = plots.case_bars(table, f"{label}, every case", label, log_x=metric == "time_ms",
+                              side_by_side=len(chosen) > 1)
     else:
         rows = [r for r in table if r["case"] == case]
         fig = plots.bars(rows, "provider", "value", f"{label}: {case}", color="file", text="value")
@@ -87,6 +93,11 @@ if table:
     st.dataframe(table if case == "all cases" else rows, hide_index=True, width="stretch")
 else:
     st.warning("No successful timings in the chosen results.")
+
+skipped = [r for label in chosen for r in services.status_table(runs[label], label)]
+if skipped:
+    with st.expander(f"Did not run: {len(skipped)} (provider, case) pairs, with the reasons"):
+        st.dataframe(skipped, hide_index=True, width="stretch")
 
 with st.expander("Every row", expanded=False):
     for label in chosen:

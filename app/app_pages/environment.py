@@ -41,6 +41,7 @@ st.markdown(
     f"- Server address: `{address}`. The workbench runs the Python typed into the Playground, so "
     "it listens on 127.0.0.1 only (`.streamlit/config.toml`). To expose it on purpose, start it "
     "with `--server.address 0.0.0.0` on a trusted network only.\n"
-    f"- Code editor: {'Ace (streamlit-ace), syntax highlighting' if editor.ace_available() else 'plain text area'}.\n"
+    "- Code editor: " + ("Ace (streamlit-ace), with syntax highlighting" if editor.ace_available()
+                         else "plain text area") + ".\n"
     "- User code runs first in a child process with a time limit, so an endless loop cannot "
     "freeze the app.")

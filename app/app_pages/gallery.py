@@ -45,8 +45,8 @@ with controls:
     heads = st.slider("heads", 1, 16 if not lim.cpu_mode else lim.max_bh, min(4, lim.max_bh),
                       key="gallery_heads")
     h = st.slider("show head h", 0, heads - 1, 0, key="gallery_h") if heads > 1 else 0
-    block = st.selectbox("BLOCK_SIZE", lim.block_sizes, index=ui.index_of(lim.block_sizes, 32 if lim.cpu_mode else 128),
-                         key="gallery_block")
+    block = st.selectbox("BLOCK_SIZE", lim.block_sizes, key="gallery_block",
+                         index=ui.index_of(lim.block_sizes, 32 if lim.cpu_mode else 128))
 
 with view_col:
     params_key = tuple(sorted(params.items()))

@@ -2,8 +2,6 @@
 check it against float64, benchmark it, compare gradients, export the experiment."""
 from __future__ import annotations
 
-import json
-
 import streamlit as st
 
 from app import editor, plots, services, ui
@@ -101,5 +99,3 @@ if prepared is not None and prepared["ok"]:
         ui.gradients_panel(a_code, a_shape)
     with tabs[6]:
         ui.export_panel(a_code, a_shape)
-
-st.session_state["playground_last_json"] = json.dumps({"code": code, "shape": shape})

@@ -1,4 +1,17 @@
-"""Host side of the backward kernels: tile choice, gradient buffers and the three launches."""
+"""Host side of the backward kernels: tile choice, gradient buffers and the three launches.
+
+dQ, dK and dV never use atomics (each program owns its rows), so they are bit-identical across runs.
+Gradients of captured tensors are scattered by the dK/dV kernel with atomic adds:
+
+- default: float32 atomics (float64 for float64 tensors). Fast; the summation order, hence the
+  last bits, varies between runs on the GPU.
+- ``KernelOptions(deterministic=True)``: each contribution is rounded to a multiple of
+  2**-FIXED_POINT_BITS (2**-32, about 2.3e-10) and added as an int64. Integer addition is
+  associative, so the result is bit-identical across runs. Trade-off: absolute resolution 2**-32 per
+  contribution (a gradient summing N contributions is off by at most N * 2**-33; contributions that
+  depend on b and h only are summed per tile in float32 first), and range |partial sums| < 2**31.
+  int64 atomics are somewhat slower than float32 ones.
+"""
 from __future__ import annotations
 
 import math

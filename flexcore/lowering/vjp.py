@@ -15,8 +15,8 @@ Generated signature::
                      WRITE_CAPTURED_GRADS: tl.constexpr, FIXED_POINT_GRADS: tl.constexpr,
                      <forward cap params>, <grad params: sm_g{i}_ptr, sm_g{i}_s0, ...>)
 
-returning d loss / d score (float32). ``valid`` is a bool tile (positions kept by the mask and inside
-both sequences); only those add into the gradient buffers.
+returning d loss / d score (float32, or ``score_dtype``). ``valid`` is a bool tile (positions kept
+by the mask and inside both sequences); only those add into the gradient buffers.
 """
 from __future__ import annotations
 
@@ -104,9 +104,11 @@ class _GradSum:
 class _VjpCodegen(_codegen.ModCodegen):
     """ModCodegen over the VJP graph: a ``grad`` input, scatter-adds, and a tuple output."""
 
-    def __init__(self, gm: GraphModule, name: str, captured, detached_of: dict[int, torch.Tensor]):
+    def __init__(self, gm: GraphModule, name: str, captured, detached_of: dict[int, torch.Tensor],
+                 score_dtype: torch.dtype):
         super().__init__(gm, "score", name)
         self._detached_of = detached_of
+        self.score_dtype = score_dtype
         for t in captured:  # the forward's order, so that the parameter names match the forward's
             self._capture(t)
 
@@ -122,7 +124,7 @@ class _VjpCodegen(_codegen.ModCodegen):
                 arg = next(names)
                 if arg in ("score", "grad"):
                     # grad varies with both indices: loads that depend on it need both masks.
-                    self.env[node] = _codegen.Val(arg, torch.float32, frozenset({"score"}))
+                    self.env[node] = _codegen.Val(arg, self.score_dtype, frozenset({"score"}))
                 else:
                     self.env[node] = _codegen.Val(arg, torch.int32,
                                                   frozenset({_codegen._INDEX_ARGS[arg]}), nonneg=True)
@@ -156,6 +158,9 @@ class _VjpCodegen(_codegen.ModCodegen):
         return _GradSum(base.shape, base.terms + [(indices, value)])
 
     _op_index_put_ = _op_index_put
+
+    def _op_sgn(self, node):  # the derivative of abs; sgn is sign for real tensors
+        return self._op_sign(node)
 
     def _op_add(self, node):
         a, b = (self.env.get(x) if isinstance(x, Node) else None for x in node.args[:2])
@@ -223,7 +228,7 @@ def _trivial(captured=(), cap_params=()) -> LoweredScoreBackward:
                                 (), hashlib.sha256(source.encode()).hexdigest()[:16], True)
 
 
-def _vjp_graph(gm: GraphModule, grad_caps: list[torch.Tensor]):
+def _vjp_graph(gm: GraphModule, grad_caps: list[torch.Tensor], score_dtype: torch.dtype):
     """make_fx graph of (score, b, h, q_idx, kv_idx, grad) -> (d score, *d grad_caps)."""
     from torch._decomp import core_aten_decompositions
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -248,26 +253,29 @@ def _vjp_graph(gm: GraphModule, grad_caps: list[torch.Tensor]):
         _, vjp_fn = torch.func.vjp(fwd, score, *detached)
         return vjp_fn(grad)
 
-    args = [torch.zeros((), dtype=torch.float32)] + [torch.zeros((), dtype=torch.int32) for _ in range(4)]
-    args.append(torch.zeros((), dtype=torch.float32))
+    args = [torch.zeros((), dtype=score_dtype)] + [torch.zeros((), dtype=torch.int32) for _ in range(4)]
+    args.append(torch.zeros((), dtype=score_dtype))
     # Backward formulas such as tanh_backward become the pointwise ops the code generator knows.
     decomps = core_aten_decompositions()
     table = {op: fn for op, fn in decomps.items()
              if "backward" in str(op) or str(op).startswith("aten.where")}
-    graph = make_fx(bwd, tracing_mode="fake", _allow_non_fake_inputs=True,
+    # functionalize: derivative formulas use in-place ops (mask.logical_and_(...)) on temporaries.
+    graph = make_fx(torch.func.functionalize(bwd), tracing_mode="fake", _allow_non_fake_inputs=True,
                     decomposition_table=table)(*args)
     graph.graph.eliminate_dead_code()
     graph.recompile()
     return graph, {id(d): t for d, t in zip(detached, grad_caps)}
 
 
-def lower_score_mod_backward(fn, forward=None) -> LoweredScoreBackward:
+def lower_score_mod_backward(fn, forward=None, score_dtype: torch.dtype = torch.float32
+                             ) -> LoweredScoreBackward:
     """Lower the vector-Jacobian product of ``fn`` (a score_mod) to ``score_mod_bwd_fn``.
 
     Args:
         fn: the score_mod, or None (identity).
         forward: the forward's LoweredMod of ``fn``; its ``captured`` order fixes the parameter
             names. Traced here when not given.
+        score_dtype: dtype of the score and gradient tiles (float32; float64 for float64 inputs).
 
     Returns:
         LoweredScoreBackward. Captured floating-point tensors with ``requires_grad`` get gradient
@@ -291,7 +299,7 @@ def lower_score_mod_backward(fn, forward=None) -> LoweredScoreBackward:
     requires = tuple(bool(t.requires_grad and t.is_floating_point()) for t in captured)
     key = None
     if guard is not None:
-        key = (guard[0], tuple(id(t) for t in captured), requires)
+        key = (guard[0], tuple(id(t) for t in captured), requires, score_dtype)
         hit = _cache.get(key)
         if hit is not None:
             return hit
@@ -299,14 +307,14 @@ def lower_score_mod_backward(fn, forward=None) -> LoweredScoreBackward:
         gm = trace_mod(fn, "score")
     grad_of = tuple(i for i, r in enumerate(requires) if r)
     try:
-        graph, detached_of = _vjp_graph(gm, [captured[i] for i in grad_of])
+        graph, detached_of = _vjp_graph(gm, [captured[i] for i in grad_of], score_dtype)
     except ModError:
         raise
     except Exception as e:  # noqa: BLE001 - report any tracing failure against the user's mod
         raise ModError(f"could not trace the gradient of the score_mod ({type(e).__name__}: {e})",
                        mod_name=name) from e
 
-    gen = _VjpCodegen(graph, name, captured, detached_of)
+    gen = _VjpCodegen(graph, name, captured, detached_of, score_dtype)
     outputs = gen.run()
     if not isinstance(outputs, (tuple, list)) or len(outputs) != 1 + len(grad_of):
         raise ModError("unexpected gradient graph output", mod_name=name)
@@ -323,8 +331,8 @@ def lower_score_mod_backward(fn, forward=None) -> LoweredScoreBackward:
     dscore = outputs[0]
     if isinstance(dscore, Node):
         v = gen.value(dscore)
-        ret = (f"tl.zeros_like(grad) + {_codegen.literal(float(v.const), torch.float32)}"
-               if v.const is not None else gen.cast(v, torch.float32))
+        ret = (f"tl.zeros_like(grad) + {_codegen.literal(float(v.const), score_dtype)}"
+               if v.const is not None else gen.cast(v, score_dtype))
     else:
         ret = "tl.zeros_like(grad)"
     params = _PARAMS + list(cap_params) + grad_params

@@ -80,6 +80,32 @@ def server(tmp_path_factory):
         log.close()
 
 
+def _settle(page) -> None:
+    """Wait until Streamlit has finished running the script and the charts are drawn."""
+    status = page.locator('[data-testid="stStatusWidget"]')
+    try:
+        status.wait_for(state="hidden", timeout=120_000)
+    except Exception:  # noqa: BLE001 - a screenshot of a busy page still helps
+        pass
+    page.mouse.move(0, 0)  # no tooltip over the results
+    page.wait_for_timeout(1500)
+
+
+def _visit_tabs(page, errors, tabs) -> None:
+    """Open each Playground tab (pressing its button), wait for its result, screenshot it."""
+    from playwright.sync_api import expect
+
+    for tab, button, ready in tabs:
+        page.get_by_role("tab", name=tab).click()
+        if button:
+            page.get_by_role("button", name=button, exact=True).click()
+        expect(page.get_by_text(ready, exact=False).first).to_be_visible(timeout=120_000)
+        _settle(page)
+        page.screenshot(path=str(ARTIFACTS / f"e2e-tab-{tab.lower().replace(' ', '-')}.png"),
+                        full_page=True)
+        assert errors.count() == 0, errors.first.inner_text()
+
+
 def test_edit_mod_and_check_in_browser(server):
     from playwright.sync_api import expect, sync_playwright
 
@@ -93,7 +119,12 @@ def test_edit_mod_and_check_in_browser(server):
             expect(page.get_by_role("heading", name="Playground")).to_be_visible(timeout=60_000)
             # The template is checked on first load: its mask caption appears.
             expect(page.get_by_text("positions (", exact=False).first).to_be_visible(timeout=180_000)
+            _settle(page)
             page.screenshot(path=str(ARTIFACTS / "e2e-playground.png"), full_page=True)
+            errors = page.locator('[data-testid="stAlertContentError"]')
+            # The template's views: a windowed causal mask with an ALiBi bias.
+            _visit_tabs(page, errors, (("Block map", None, "Sparsity (blocks skipped)"),
+                                       ("Scores", None, "Scores after score_mod")))
 
             editor = page.frame_locator("iframe[title='streamlit_ace.streamlit_ace']")
             editor.locator(".ace_content").click()
@@ -111,42 +142,29 @@ def test_edit_mod_and_check_in_browser(server):
             verdict = page.get_by_text("Check passed for", exact=False).or_(
                 page.get_by_text("Check failed for", exact=False))
             # An error box would mean the edit went wrong: stop waiting then too.
-            errors = page.locator('[data-testid="stAlertContentError"]')
             expect(verdict.or_(errors).first).to_be_visible(timeout=240_000)
             page.screenshot(path=str(ARTIFACTS / "e2e-check.png"), full_page=True)
             assert errors.count() == 0, errors.first.inner_text()
             expect(page.get_by_text("Kept 8,256 of 16,384 positions", exact=False)).to_be_visible(
                 timeout=30_000)
-            page.mouse.move(0, 0)  # no tooltip over the results
-            page.wait_for_timeout(1500)  # let the charts finish drawing before the screenshot
+            _settle(page)
             page.screenshot(path=str(ARTIFACTS / "e2e-check.png"), full_page=True)
             assert page.get_by_text("Check passed for float32, float16, bfloat16").count() == 1, \
                 "flexcore should pass the check for a causal mask in every dtype"
             assert page.get_by_text("Traceback").count() == 0
 
             # The other tabs, run from the browser too.
-            for tab, button, ready in (("Block map", None, "Sparsity (blocks skipped)"),
-                                       ("Scores", None, "Scores after score_mod"),
-                                       ("Triton code", None, "mask_mod_fn"),
+            _visit_tabs(page, errors, (("Triton code", None, "mask_mod_fn"),
                                        ("Gradients", "Gradients", "max |grad"),
                                        ("Benchmark", "Benchmark", "Median latency, ms"),
-                                       ("Export", "Prepare the report", "Download .json")):
-                page.get_by_role("tab", name=tab).click()
-                if button:
-                    page.get_by_role("button", name=button, exact=True).click()
-                expect(page.get_by_text(ready, exact=False).first).to_be_visible(timeout=120_000)
-                page.mouse.move(0, 0)
-                page.wait_for_timeout(1500)
-                page.screenshot(path=str(ARTIFACTS / f"e2e-tab-{tab.lower().replace(' ', '-')}.png"),
-                                full_page=True)
-                assert errors.count() == 0, errors.first.inner_text()
+                                       ("Export", "Prepare the report", "Download .json")))
 
             # The other pages, for a person to look at.
             for name, ready in (("Gallery", "Open in Playground"), ("Environment", "Attention providers"),
                                 ("Benchmarks", "Run a preset on this machine")):
                 page.get_by_role("link", name=name).click()
                 expect(page.get_by_text(ready).first).to_be_visible(timeout=60_000)
-                page.wait_for_timeout(2000)
+                _settle(page)
                 page.screenshot(path=str(ARTIFACTS / f"e2e-{name.lower()}.png"), full_page=True)
                 assert page.get_by_text("Traceback").count() == 0
         finally:

@@ -91,7 +91,9 @@ def test_playground_template_renders_in_cpu_mode():
     # CPU mode says so, with its limits, and labels timings as not representative.
     assert any("CPU mode" in t and "not representative" in t for t in texts(at, "info"))
     assert not at.error, error_text(at)
-    assert at.session_state[editor.CODE_KEY].startswith("# Write a score_mod")
+    from app.templates import TEMPLATE
+
+    assert at.session_state[editor.CODE_KEY] == TEMPLATE
     assert len(at.get("plotly_chart")) >= 3  # mask, block map, scores
 
 
@@ -225,6 +227,7 @@ BAD = {
     "captured_out_of_range": ("import torch\nbias = torch.zeros(1)\n\n\n"
                               "def score_mod(score, b, h, q_idx, kv_idx):\n"
                               "    return score + bias[h]\n", "out of range", 6),
+    "exit_call": ("import sys\n\nsys.exit(3)\n", "exit()", 3),
     "endless_loop": ("def mask_mod(b, h, q_idx, kv_idx):\n    while True:\n        pass\n",
                      "did not finish", 2),
 }
@@ -273,3 +276,30 @@ def test_an_unexpected_failure_is_an_error_box_not_a_traceback(monkeypatch):
     at.switch_page("app_pages/environment.py").run()
     no_exception(at)
     assert "environment capture exploded" in error_text(at)
+
+
+def test_benchmarks_page_runs_the_tiny_preset_with_progress_and_report():
+    at = AppTest.from_file(ENTRY, default_timeout=240)
+    at.switch_page("app_pages/benchmarks.py").run()
+    assert at.selectbox(key="bm_preset").value == "tiny"  # the only preset offered in CPU mode
+    at.button(key="bm_run").click().run()
+    no_exception(at)
+    assert not at.error, error_text(at)
+    assert any(s.startswith("tiny:") and "rows written" in s for s in texts(at, "success"))
+    assert at.get("plotly_chart")
+    labels = [b.proto.label for b in at.get("download_button")]
+    assert "Download report.html" in labels and "Download report.md" in labels
+    # The same results uploaded as files (JSON and CSV) load through bench's loader and are
+    # compared side by side with the run.
+    from app import services
+
+    run = at.session_state["bm_runs"]["tiny (this machine)"]
+    folder = Path(run["path"])
+    for name in ("results.json", "results.csv"):
+        uploaded = services.load_uploaded(name, (folder / name).read_bytes())
+        assert len(uploaded["rows"]) == len(run["rows"])
+        at.session_state["bm_runs"][f"{name} (uploaded)"] = uploaded
+    at.run()
+    no_exception(at)
+    assert len(at.multiselect(key="bm_chosen").value) == 3
+    assert at.get("plotly_chart")

@@ -46,7 +46,8 @@ def test_checker_survives_a_crash_in_native_code():
 
 
 def test_user_prints_do_not_break_the_checker():
-    code = "print('hello')\n\ndef mask_mod(b, h, q_idx, kv_idx):\n    print(q_idx)\n    return q_idx >= kv_idx\n"
+    code = ("print('hello')\n\ndef mask_mod(b, h, q_idx, kv_idx):\n    print(q_idx)\n"
+            "    return q_idx >= kv_idx\n")
     result = sandbox.check_code(code, SHAPE, timeout_s=10)
     assert result["ok"], result
 
@@ -56,3 +57,30 @@ def test_endless_loop_at_top_level_is_stopped_with_its_line():
     result = sandbox.check_code(code, SHAPE, timeout_s=2)
     problem = result["problem"]
     assert problem["kind"] == "timeout" and problem["lineno"] in (4, 5)
+
+
+def _variant_names() -> list[str]:
+    try:
+        import variants
+    except ImportError:
+        return []
+    return variants.names()
+
+
+@pytest.mark.parametrize("name", _variant_names())
+def test_every_gallery_variant_previews_and_opens(name):
+    import variants
+
+    v = variants.get(name)
+    view = services.gallery_view(name, tuple(sorted(v.defaults().items())), 96, 2, 1, 32)
+    L, S = view["Q_LEN"], view["KV_LEN"]
+    assert 0 <= view["mask"]["kept"] <= L * S == view["mask"]["total"]
+    blocks = view["blocks"]
+    q_blocks, kv_blocks = -(-L // 32), -(-S // 32)
+    assert blocks["full"] + blocks["partial"] + blocks["empty"] >= q_blocks * kv_blocks
+    # "Open in Playground" gives code the Playground's checker accepts at the Playground's shape.
+    shape = {"B": 1, "Hq": 2, "Hkv": 2, "Q_LEN": 64, "KV_LEN": v.default_kv_len(64), "D": 16,
+             "dtype": "float32", "BLOCK_SIZE": 16}
+    source = services.variant_source(name, v.defaults(), shape)
+    result = sandbox.check_code(source, services.code_shape(shape), timeout_s=20)
+    assert result["ok"], result

@@ -7,7 +7,7 @@ import json
 import torch
 
 from bench import runner
-from bench.context import make_context
+from bench.context import CaseContext, make_context
 from bench.grid import Case, Settings
 from tests.bench.conftest import ALIBI, MODS, small_grid
 
@@ -56,3 +56,15 @@ def test_sliced_run_checks_and_passes(tmp_path):
     assert {r["metric"] for r in verdicts} >= {"out_correct", "dq_correct", "dk_correct", "dv_correct",
                                                "dcap0_correct"}
     assert all(r["value"] == 1 for r in verdicts)
+
+
+def test_long_decode_is_checked_on_slices():
+    from bench.mods import Mods
+
+    def ctx(kv_len):
+        case = Case("noop", 2, 32, 8, 1, kv_len, 128, 128, "bfloat16", "decode")
+        return CaseContext(case, Settings(), torch.device("cpu"), Mods("noop", None, None))
+
+    # 2·32·1024·256 float64 elements of repeated K/V fit the budget; 2·32·8192·256 do not.
+    assert ctx(1024).coverage() == "all"
+    assert ctx(8192).coverage() == "b0/h0:4;b1/h28:32"

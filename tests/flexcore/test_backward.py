@@ -228,6 +228,68 @@ def test_scale_and_noncontiguous_inputs():
         assert (a.double() - g).abs().max() <= 1e-5 * max(1.0, g.abs().max().item())
 
 
+def _compare_with_golden(fn, inputs, tol):
+    """Gradients of sum(fn(*inputs) * g) against the same through float64 copies."""
+    out = fn(*inputs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out.dtype)
+    ours = torch.autograd.grad(out, inputs, g)
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    gold = torch.autograd.grad(fn(*inputs64, reference=True), inputs64, g.double())
+    for a, ref in zip(ours, gold):
+        assert a.shape == ref.shape
+        assert (a.double() - ref).norm() <= tol * ref.norm(), (a.double() - ref).norm() / ref.norm()
+
+
+def test_shared_batch1_cache_and_decode_length_queries():
+    # K/V with batch 1 shared by a batch of 3 (their gradient sums over the batch), and a query
+    # length of 8, where the forward runs the split-KV decode kernel.
+    gen = torch.Generator().manual_seed(14)
+    q = torch.randn(3, 4, 8, 32, generator=gen).requires_grad_()
+    k, v = (torch.randn(1, 2, 150, 32, generator=gen).requires_grad_() for _ in range(2))
+    bias = torch.randn(150, generator=gen).requires_grad_()
+
+    def fn(q, k, v, bias, reference=False):
+        def kv_bias(score, b, h, q_idx, kv_idx):
+            return score + bias[kv_idx]
+        if reference:
+            return flex_attention_reference(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1),
+                                            score_mod=kv_bias, enable_gqa=True)
+        return flex_attention(q, k, v, score_mod=kv_bias, enable_gqa=True)
+
+    _compare_with_golden(fn, [q, k, v, bias], 1e-5)
+
+
+# score_mods whose derivatives exercise torch's backward formulas (in-place masks in clamp's,
+# sgn in abs's, masked_fill in minimum's); t is a (64,) table and c a 0-d tensor, both learnable.
+_OP_MODS = {
+    "clamp": lambda s, b, h, q, k, t, c: torch.clamp(s, -1.0, 1.0) * c + t[k],
+    "where_neg_inf": lambda s, b, h, q, k, t, c: torch.where(q >= k, s * c + t[q - k], float("-inf")),
+    "abs_sqrt": lambda s, b, h, q, k, t, c: torch.sqrt(s.abs() + c) * t[h],
+    "min_max": lambda s, b, h, q, k, t, c: torch.maximum(s, t[k]) + torch.minimum(s, c),
+    "expm1_log1p_pow": lambda s, b, h, q, k, t, c: torch.expm1(s * 0.1) + torch.log1p(s.abs()) * c
+    + t[q] * t[k] ** 2,
+    "sigmoid_sin_rsqrt": lambda s, b, h, q, k, t, c: torch.sigmoid(s) * torch.sin(t[k]) * torch.rsqrt(c)
+    + 1.0 / (s.abs() + c),
+}
+
+
+@pytest.mark.parametrize("name", list(_OP_MODS))
+def test_gradients_through_torch_backward_formulas(name):
+    gen = torch.Generator().manual_seed(seed_of("ops", name))
+    q, k, v = (torch.randn(1, 2, 48, 16, generator=gen).requires_grad_() for _ in range(3))
+    t = (0.5 * torch.randn(64, generator=gen)).requires_grad_()
+    c = torch.tensor(1.5).requires_grad_()
+    body = _OP_MODS[name]
+
+    def fn(q, k, v, t, c, reference=False):
+        def op_mod(score, b, h, q_idx, kv_idx):
+            return body(score, b, h, q_idx, kv_idx, t, c)
+        attend = flex_attention_reference if reference else flex_attention
+        return attend(q, k, v, score_mod=op_mod)
+
+    _compare_with_golden(fn, [q, k, v, t, c], 1e-5)
+
+
 def test_vjp_lowering_reads_no_handwritten_derivative():
     # The generated gradient of softcap is traced from torch's own tanh backward (1 - tanh^2).
     from flexcore.lowering import lower_score_mod
