@@ -47,10 +47,16 @@ def code_editor(annotations: list[dict] | None = None, height: int = 420) -> str
             "type": "error"}]`` (ignored by the plain editor).
     """
     version = st.session_state.get(_VERSION_KEY, 0)
-    initial = st.session_state.get(_INITIAL_KEY, st.session_state.get(CODE_KEY, ""))
     plain = st.session_state.get(PLAIN_KEY, False) or not ace_available()
+    widget_key = f"playground_text_{version}" if plain else f"playground_ace_{version}"
+    if widget_key not in st.session_state:
+        # The widget is being created (first visit, back from another page, editor switched):
+        # it starts from the latest code, not from the text it was last created with.
+        st.session_state[_INITIAL_KEY] = st.session_state.get(CODE_KEY, "")
+        st.session_state[_SEEN_KEY] = st.session_state[_INITIAL_KEY]
+    initial = st.session_state[_INITIAL_KEY]
     if plain:
-        value = st.text_area("Code", value=initial, height=height, key=f"playground_text_{version}",
+        value = st.text_area("Code", value=initial, height=height, key=widget_key,
                              label_visibility="collapsed")
     else:
         from streamlit_ace import st_ace
@@ -59,7 +65,7 @@ def code_editor(annotations: list[dict] | None = None, height: int = 420) -> str
         # Linux monospace font): q_idx reads "q idx". 15 px draws them.
         value = st_ace(value=initial, language="python", theme="chrome", keybinding="vscode",
                        font_size=15, tab_size=4, min_lines=18, auto_update=True, show_gutter=True,
-                       annotations=annotations or [], key=f"playground_ace_{version}")
+                       annotations=annotations or [], key=widget_key)
     # Adopt the widget's value only when the user changed it, so code set through session_state
     # (tests, other pages) is never overwritten by a widget that has not seen it yet.
     if isinstance(value, str) and value != st.session_state.get(_SEEN_KEY, initial):

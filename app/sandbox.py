@@ -49,6 +49,9 @@ def _spawn() -> subprocess.Popen:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     env.setdefault("PYTHONUNBUFFERED", "1")
+    # The checker forks a worker per request: it must not initialise CUDA itself (a child forked
+    # after cuInit cannot use the GPU), so torch answers is_available() through NVML instead.
+    env["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     return subprocess.Popen([sys.executable, "-m", "app.sandbox"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=str(REPO_ROOT),
                             env=env)
@@ -269,9 +272,11 @@ def _probe(mods, shape: dict) -> None:
     B, H, L, S = shape["B"], shape["Hq"], shape["Q_LEN"], shape["KV_LEN"]
     if B * H * L * S > _PROBE_ELEMENTS:
         return
+    # On the app's device, so that captured tensors are indexed where they live; a device-side
+    # assert (an out-of-range index on the GPU) then kills this worker, not the app.
     for fn in (mods.mask_mod, mods.score_mod):
         if fn is not None:
-            create_mask(fn, B, H, L, S, device="cpu")
+            create_mask(fn, B, H, L, S, device=shape.get("device", "cpu"))
 
 
 def serve_one(request: dict) -> dict:
@@ -279,7 +284,7 @@ def serve_one(request: dict) -> dict:
     from app.usercode import UserCodeError, problem_from_exception, run_code
 
     code, shape = request["code"], dict(request["shape"])
-    shape["device"] = "cpu"
+    shape.setdefault("device", "cpu")
     _CURRENT_CODE["text"] = code
     try:
         mods = run_code(code, shape)

@@ -180,8 +180,11 @@ def _sandbox_result(code: str, shape: dict, timeout_s: float) -> dict:
     return result
 
 
-def prepare(code: str, shape: dict, timeout_s: float = sandbox.DEFAULT_TIMEOUT_S) -> dict:
+def prepare(code: str, shape: dict, timeout_s: float | None = None) -> dict:
     """Check the user's code safely (child process, time limit).
+
+    The limit is ``sandbox.DEFAULT_TIMEOUT_S`` on the CPU and three times that on a GPU, where each
+    worker also creates its CUDA context.
 
     Returns:
         ``{"ok": True, "score_source", "mask_source", "tensors"}`` or
@@ -190,6 +193,8 @@ def prepare(code: str, shape: dict, timeout_s: float = sandbox.DEFAULT_TIMEOUT_S
     problem = shape_problem(shape)
     if problem is not None:
         return {"ok": False, "problem": problem}
+    if timeout_s is None:
+        timeout_s = sandbox.DEFAULT_TIMEOUT_S * (1 if limits().cpu_mode else 3)
     try:
         result = dict(_sandbox_result(code, code_shape(shape), timeout_s))
     except _CheckerFailed as e:

@@ -74,6 +74,12 @@ def param_controls(variant, key_prefix: str) -> dict:
         elif p.type == "choice":
             values[p.name] = st.selectbox(p.name, list(p.choices), index=_index(p.choices, p.default),
                                           help=p.help, key=key)
+        elif p.type == "int" and p.high - p.low > 512:
+            # A linear slider over a range like [1, 131072] cannot pick small values: offer
+            # powers of two (and the bounds and default) instead.
+            values[p.name] = int(st.select_slider(p.name, _geometric(int(p.low), int(p.high),
+                                                                     int(p.default)),
+                                                  value=int(p.default), help=p.help, key=key))
         elif p.type == "int":
             values[p.name] = int(st.slider(p.name, int(p.low), int(p.high), int(p.default),
                                            help=p.help, key=key))
@@ -83,6 +89,16 @@ def param_controls(variant, key_prefix: str) -> dict:
     if not variant.params:
         st.caption("This variant has no parameters.")
     return values
+
+
+def _geometric(low: int, high: int, default: int) -> list[int]:
+    values = {low, high, default}
+    power = 1
+    while power <= high:
+        if power >= low:
+            values.add(power)
+        power *= 2
+    return sorted(values)
 
 
 def clear_playground_results() -> None:
@@ -146,12 +162,26 @@ _ACTIVE_KEY = "playground_active"
 _RUN_BUTTONS = ("pg_run", "pg_check_btn", "pg_bench_btn", "pg_grad_btn")
 
 
+_PENDING_KEY = "playground_pending_click"
+
+
 def active_experiment(code: str, shape: dict, run_clicked: bool) -> dict | None:
     """The (code, shape) the views show: updated by any run button, and on the first visit."""
-    clicked = run_clicked or any(st.session_state.get(k) for k in _RUN_BUTTONS)
-    if clicked or _ACTIVE_KEY not in st.session_state:
+    pressed = [k for k in _RUN_BUTTONS[1:] if st.session_state.get(k)]
+    if run_clicked or pressed or _ACTIVE_KEY not in st.session_state:
         st.session_state[_ACTIVE_KEY] = {"code": code, "shape": dict(shape)}
+    if pressed:
+        # Remembered across an st.rerun() (which resets buttons) until its panel handles it.
+        st.session_state[_PENDING_KEY] = pressed[0]
     return st.session_state[_ACTIVE_KEY]
+
+
+def clicked(button_key: str) -> bool:
+    """Whether this run button was pressed (in this run, or just before a rerun)."""
+    pending = st.session_state.get(_PENDING_KEY) == button_key
+    if pending:
+        del st.session_state[_PENDING_KEY]
+    return bool(st.session_state.get(button_key)) or pending
 
 
 def mismatch_warning(code: str, shape: dict) -> None:
@@ -228,7 +258,7 @@ def check_panel(code: str, shape: dict, b: int, h: int) -> None:
                             key="pg_check_dtypes")
     st.button("Check", type="primary", key="pg_check_btn",
               help="Run flexcore and compare with the float64 reference")
-    if st.session_state.get("pg_check_btn"):
+    if clicked("pg_check_btn"):
         st.session_state["pg_check_req"] = {"code": code, "shape": shape, "dtypes": tuple(dtypes),
                                              "b": b, "h": h}
     req = st.session_state.get("pg_check_req")
@@ -275,7 +305,7 @@ def benchmark_panel(code: str, shape: dict) -> None:
                    "**not representative** of GPU performance.", icon=":material/timer:")
     st.button("Benchmark", type="primary", key="pg_bench_btn",
               help="Time flexcore and every provider available on this machine")
-    if st.session_state.get("pg_bench_btn"):
+    if clicked("pg_bench_btn"):
         bar = st.progress(0.0, text="Benchmarking…")
         try:
             result = services.benchmark(code, shape,
@@ -323,7 +353,7 @@ def benchmark_panel(code: str, shape: dict) -> None:
 def gradients_panel(code: str, shape: dict) -> None:
     st.button("Gradients", type="primary", key="pg_grad_btn",
               help="Compare dQ, dK, dV and captured-tensor gradients with float64")
-    if st.session_state.get("pg_grad_btn"):
+    if clicked("pg_grad_btn"):
         st.session_state["pg_grad_req"] = {"code": code, "shape": shape}
     req = st.session_state.get("pg_grad_req")
     if req is None:

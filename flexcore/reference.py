@@ -13,62 +13,16 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from flexcore._types import ScoreMod
+from flexcore._validate import check_block_mask, check_qkv
 from flexcore.blockmask import (EMPTY, FULL, BlockMask, _as_bool_mask, _broadcast_result,
                                 _call_mod, _mod_kind, _mod_location, _row_chunks)
-from flexcore.errors import InputError, ModReturnError
+from flexcore.errors import ModReturnError
 from flexcore.masks import noop_mask
 
 __all__ = ["flex_attention_reference"]
 
 #: Most scores (B * Hq * rows * S) materialised at once.
 _CHUNK_SCORES = 1 << 26
-
-
-def _check_inputs(query: Tensor, key: Tensor, value: Tensor, enable_gqa: bool) -> None:
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, Tensor):
-            raise InputError(f"{name} must be a torch.Tensor; got {type(t).__name__}")
-        if t.dim() != 4:
-            raise InputError(f"{name} must be 4-d (B, H, L, D); got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            raise InputError(f"{name} must be floating point; got {t.dtype}")
-    shapes = f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-    if not (query.dtype == key.dtype == value.dtype):
-        raise InputError(f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, "
-                         f"{value.dtype}")
-    if not (query.device == key.device == value.device):
-        raise InputError(f"query, key and value must be on one device; got {query.device}, "
-                         f"{key.device}, {value.device}")
-    B, Hq, _, D = query.shape
-    if key.shape[0] != value.shape[0] or key.shape[0] not in (1, B):
-        raise InputError(f"batch sizes differ: {shapes}; key/value need query's batch size, or 1 "
-                         f"to share one key/value sequence across the batch")
-    if key.shape[1] != value.shape[1] or key.shape[2] != value.shape[2]:
-        raise InputError(f"key and value must have the same heads and length: {shapes}")
-    if key.shape[3] != D:
-        raise InputError(f"query and key head dims differ: {shapes}")
-    Hkv = key.shape[1]
-    if Hq != Hkv:
-        if not enable_gqa:
-            raise InputError(f"query has {Hq} heads and key/value {Hkv}: pass enable_gqa=True for "
-                             f"grouped-query attention ({shapes})")
-        if Hq % Hkv:
-            raise InputError(f"grouped-query attention needs query heads ({Hq}) to be a multiple of "
-                             f"key/value heads ({Hkv})")
-
-
-def _check_block_mask(bm, B: int, Hq: int, L: int, S: int) -> None:
-    if not isinstance(bm, BlockMask):
-        raise InputError(f"block_mask must be a flexcore.BlockMask (from create_block_mask); got "
-                         f"{type(bm).__name__}")
-    Bm, Hm, QB, KB = bm.kv_indices.shape
-    BQ, BK = bm.BLOCK_SIZE
-    if Bm not in (1, B) or Hm not in (1, Hq):
-        raise InputError(f"block_mask has (B, H) = ({Bm}, {Hm}); it must be (1 or {B}, 1 or {Hq}) "
-                         f"for query shape (B={B}, H={Hq})")
-    if QB * BQ < L or KB * BK < S:
-        raise InputError(f"block_mask covers {QB}x{BQ} query and {KB}x{BK} key positions, fewer "
-                         f"than the inputs' ({L}, {S}); build it with Q_LEN={L}, KV_LEN={S}")
 
 
 def _attend_rows(q: Tensor, k: Tensor, v: Tensor, row0: int, score_mod, mask_mod, block_map,
@@ -160,14 +114,14 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
         >>> golden = flex_attention_reference(q, k, v, block_mask=bm)          # float64
         >>> torch_err = flex_attention_reference(q, k, v, block_mask=bm, upcast=False)
     """
-    _check_inputs(query, key, value, enable_gqa)
+    check_qkv(query, key, value, enable_gqa, dtypes=None)
     B, Hq, L, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     if score_mod is not None:
         _mod_kind(score_mod, "flex_attention_reference", allowed=("score",), arg="score_mod")
     block_map = mask_mod = None
     if block_mask is not None:
-        _check_block_mask(block_mask, B, Hq, L, S)
+        check_block_mask(block_mask, B, Hq, L, S, query.device)
         block_map = block_mask.block_map()
         mask_mod = block_mask.mask_mod
         if mask_mod is not noop_mask:

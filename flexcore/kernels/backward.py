@@ -69,29 +69,47 @@ def q_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, 2-byte dtypes. dK/dV programs own
 # BLOCK_N keys and step over BLOCK_M queries; dQ programs own BLOCK_M queries and step over BLOCK_N
-# keys. Measured on an H200 (bf16, B=4, H=16, S=4096, causal): for D=128 about 345 TFLOP/s for
-# the backward alone. A mod with many live values can still exceed shared memory: see _launch.
+# keys. Measured on an H200 (bf16, B=4, H=16, S=4096, D=128): about 345 TFLOP/s for the backward
+# alone with a causal mask. A mod with many live values can exceed shared memory: see _launch.
 _DKDV_CONFIGS = {64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 1)}
-_DQ_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 64, 8, 2), 256: (64, 32, 4, 1)}
+_DQ_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (64, 32, 4, 1)}
+
+_fallback_cache: dict = {}
+
+
+def _smaller_configs(bm: int, bn: int, meta: dict):
+    """Configs to try in order: halve the larger tile down to 64, then fewer stages, then halve to 16
+    (halving keeps tiles dividing the mask blocks)."""
+    yield bm, bn, meta
+    while max(bm, bn) > 64:
+        bm, bn = (bm, bn // 2) if bn >= bm else (bm // 2, bn)
+        yield bm, bn, meta
+    while meta.get("num_stages", 1) > 1:
+        meta = dict(meta, num_stages=meta["num_stages"] - 1)
+        yield bm, bn, meta
+    while max(bm, bn) > 16:
+        bm, bn = (bm, bn // 2) if bn >= bm else (bm // 2, bn)
+        yield bm, bn, meta
 
 
 def _launch(kernel, grid, args, bm: int, bn: int, meta: dict, kwargs: dict) -> None:
-    """Launch; on the GPU, when a config runs out of shared memory, retry with fewer pipeline
-    stages, then with halved tiles (halving keeps them dividing the mask blocks)."""
-    while True:
+    """Launch; on the GPU a config that runs out of shared memory is replaced by the next of
+    :func:`_smaller_configs`, and the choice is remembered for this kernel and constexprs."""
+    key = (id(kernel), bm, bn, tuple(sorted(meta.items())),
+           tuple(sorted((k, str(v)) for k, v in kwargs.items())))
+    bm, bn, meta = _fallback_cache.get(key, (bm, bn, meta))
+    error = None
+    for bm, bn, meta in _smaller_configs(bm, bn, meta):
         try:
             kernel[grid(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, **meta, **kwargs)
-            return
         except Exception as e:  # noqa: BLE001 - only triton's OutOfResources is retried
             if type(e).__name__ != "OutOfResources":
                 raise
-            stages = meta.get("num_stages", 1)
-            if stages > 1:
-                meta = dict(meta, num_stages=stages - 1)
-            elif max(bm, bn) > 16:
-                bm, bn = (bm // 2, bn) if bm >= bn else (bm, bn // 2)
-            else:
-                raise
+            error = e
+            continue
+        _fallback_cache[key] = (bm, bn, meta)
+        return
+    raise error
 
 
 def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int, sparse_kv: int):

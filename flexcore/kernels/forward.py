@@ -107,19 +107,23 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
 
 def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,
             opts: KernelOptions):
-    """Run the forward kernel. Returns (out (B, Hq, L, Dv) in q's dtype, lse (B, Hq, L) float32)."""
+    """Run the forward kernel. Returns (out (B, Hq, L, Dv) in q's dtype, lse (B, Hq, L) float32,
+    or float64 for float64 inputs)."""
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
     out = torch.empty((B, Hq, L, Dv), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device)
+    import triton.language as tl  # after prepare_triton(): see flexcore._runtime
+
+    fp64 = q.dtype == torch.float64
+    lse = torch.empty((B, Hq, L), dtype=torch.float64 if fp64 else torch.float32, device=q.device)
     head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
     kernel, meta = _launcher(module, max(head_dim_pad, head_dim_v_pad), q.dtype, blocks.sparse_block,
                              opts, L)
     sparse_q, sparse_kv = blocks.sparse_block
     full_n = blocks.full_num_blocks if blocks.full_num_blocks is not None else blocks.num_blocks
     full_i = blocks.full_indices if blocks.full_indices is not None else blocks.indices
-    upcast = use_interpreter() and q.dtype != torch.float32
+    upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
 
     def grid(meta_):
@@ -141,6 +145,7 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         EVEN_KV=S % sparse_kv == 0,
         # The trivial path folds the scale into the row max, which needs scale > 0.
         SCORE_IS_TRIVIAL=score_lowered.is_trivial and scale > 0, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
+        ACC_DTYPE=tl.float64 if fp64 else tl.float32,
         **meta,
     )
     return out, lse

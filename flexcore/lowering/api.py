@@ -71,29 +71,29 @@ _TRIVIAL = {
 _trivial_mods: dict[str, LoweredMod] = {}
 
 
-def _lower(fn, kind: str) -> LoweredMod:
+def _lower(fn, kind: str, score_dtype: torch.dtype = torch.float32) -> LoweredMod:
     global trace_count
     if fn is None:
         if kind not in _trivial_mods:
             _trivial_mods[kind] = _make(kind, _TRIVIAL[kind], (), (), True,
                                         "identity" if kind == "score" else "noop")
-        return _trivial_mods[kind]
+        return _trivial_mods[kind]  # dtype-agnostic: it returns its input
     guard = guard_key(fn)
     if guard is not None:
-        cache_key = (kind, guard[0])
+        cache_key = (kind, guard[0], score_dtype)
         hit = _cache.get(cache_key)
         if hit is not None:
             return hit[0]
     trace_count += 1
-    gm = trace_mod(fn, kind)
-    source, cap_params, captured, trivial = generate(gm, kind, mod_name(fn))
+    gm = trace_mod(fn, kind, score_dtype)
+    source, cap_params, captured, trivial = generate(gm, kind, mod_name(fn), score_dtype)
     lowered = _make(kind, source, cap_params, captured, trivial, mod_name(fn))
     if guard is not None:
         _cache.put(cache_key, (lowered, guard[1]))
     return lowered
 
 
-def lower_score_mod(fn) -> LoweredMod:
+def lower_score_mod(fn, score_dtype: torch.dtype = torch.float32) -> LoweredMod:
     """Lower ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (None: identity).
 
     Example:
@@ -106,8 +106,10 @@ def lower_score_mod(fn) -> LoweredMod:
     Raises:
         ModError (UnsupportedOpError, ControlFlowError, ModSignatureError, ModReturnError) naming
         the mod and the offending line.
+
+    ``score_dtype`` is the dtype of the score tile: float32, or float64 for float64 inputs.
     """
-    return _lower(fn, "score")
+    return _lower(fn, "score", score_dtype)
 
 
 def lower_mask_mod(fn) -> LoweredMod:

@@ -102,8 +102,9 @@ class ModCodegen:
     }
     _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 
-    def __init__(self, gm: GraphModule, kind: str, name: str):
+    def __init__(self, gm: GraphModule, kind: str, name: str, score_dtype: torch.dtype = torch.float32):
         self.gm = gm
+        self.score_dtype = score_dtype
         self.kind = kind
         self.name = name
         self.prefix = "sm" if kind == "score" else "mm"
@@ -249,7 +250,7 @@ class ModCodegen:
             if node.op == "placeholder":
                 arg = next(args)
                 if arg == "score":
-                    self.env[node] = Val("score", torch.float32, frozenset({"score"}))
+                    self.env[node] = Val("score", self.score_dtype, frozenset({"score"}))
                 else:
                     self.env[node] = Val(arg, torch.int32, frozenset({_INDEX_ARGS[arg]}),
                                          nonneg=True)
@@ -274,8 +275,8 @@ class ModCodegen:
                                      mod_name=self.name)
             trivial = v.expr == "score" and v.const is None
             if v.const is not None:  # a 0-d tensor, not a constexpr: callers broadcast it
-                return f"tl.full([], {_float_literal(float(v.const))}, tl.float32)", False
-            return self.cast(v, torch.float32), trivial
+                return f"tl.full([], {_float_literal(float(v.const))}, {_TL[self.score_dtype]})", False
+            return self.cast(v, self.score_dtype), trivial
         if v.dtype != torch.bool:
             raise ModReturnError(f"a mask_mod must return a bool tensor, not {v.dtype}",
                                  mod_name=self.name)
@@ -759,13 +760,13 @@ class ModCodegen:
         return View(base.cap, base.dtype, base.shape, tuple(new_index), node)
 
 
-def generate(gm: GraphModule, kind: str, name: str):
+def generate(gm: GraphModule, kind: str, name: str, score_dtype: torch.dtype = torch.float32):
     """Source of the ``@triton.jit`` function for one traced mod.
 
     Returns:
         (source, cap_params, captured, is_trivial)
     """
-    gen = ModCodegen(gm, kind, name)
+    gen = ModCodegen(gm, kind, name, score_dtype)
     ret, trivial = gen.run()
     prefix = gen.prefix
     cap_params: list[str] = []

@@ -250,7 +250,7 @@ def _check_output(gm: GraphModule, fn, kind: str) -> None:
             mod_name=mod_name(fn), filename=loc.filename, lineno=loc.lineno)
 
 
-def trace_mod(fn, kind: str) -> GraphModule:
+def trace_mod(fn, kind: str, score_dtype: torch.dtype = torch.float32) -> GraphModule:
     """Trace ``fn`` over 0-d tensors (score float32; b, h, q_idx, kv_idx int32) to an aten graph.
 
     Raises:
@@ -265,7 +265,7 @@ def trace_mod(fn, kind: str) -> GraphModule:
     name = mod_name(fn)
     args = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
     if kind == "score":
-        args.insert(0, torch.zeros((), dtype=torch.float32))
+        args.insert(0, torch.zeros((), dtype=score_dtype))
 
     def traced(*a):
         return _normalize_return(fn, kind, fn(*a))

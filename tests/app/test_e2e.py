@@ -167,5 +167,13 @@ def test_edit_mod_and_check_in_browser(server):
                 _settle(page)
                 page.screenshot(path=str(ARTIFACTS / f"e2e-{name.lower()}.png"), full_page=True)
                 assert page.get_by_text("Traceback").count() == 0
+
+            # Back in the Playground, the editor still holds the edited mod.
+            page.get_by_role("link", name="Playground").click()
+            expect(page.get_by_text("Kept 8,256 of 16,384 positions", exact=False)).to_be_visible(
+                timeout=60_000)
+            text = page.frame_locator("iframe[title='streamlit_ace.streamlit_ace']").locator(
+                ".ace_content").inner_text()
+            assert "return q_idx >= kv_idx" in text and "WINDOW" not in text, text
         finally:
             browser.close()

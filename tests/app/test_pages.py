@@ -153,7 +153,9 @@ def test_gradients_compare_with_float64():
     no_exception(at)
     assert not at.error, error_text(at)
     table = next(d.value for d in at.dataframe if "tensor" in d.value.columns)
-    assert {"dQ", "dK", "dV", "dbias"} <= set(table["tensor"])
+    for source in ("flexcore", "sdpa_math"):
+        rows = table[table["source"] == source]
+        assert {"dQ", "dK", "dV", "dbias"} <= set(rows["tensor"]), source
     assert all(float(v) < 1e-3 for v in table["max_abs"])  # float32 gradients against float64
 
 
@@ -303,3 +305,31 @@ def test_benchmarks_page_runs_the_tiny_preset_with_progress_and_report():
     no_exception(at)
     assert len(at.multiselect(key="bm_chosen").value) == 3
     assert at.get("plotly_chart")
+
+
+def test_gallery_parameters_drive_the_preview():
+    at = AppTest.from_file(ENTRY, default_timeout=240)
+    at.switch_page("app_pages/gallery.py").run()
+    at.selectbox(key="gallery_variant").select("sliding_window").run()
+    window = 16
+    at.select_slider(key="gallery_sliding_window_window_size").set_value(window).run()
+    no_exception(at)
+    L = at.select_slider(key="gallery_q_len").value
+    # Each query sees the last `window` keys, itself included.
+    kept = sum(min(q + 1, window) for q in range(L))
+    assert f"Kept {kept:,} of {L * L:,} positions" in " ".join(texts(at, "caption"))
+
+
+def test_edits_survive_a_page_switch_and_an_editor_switch():
+    at = playground(plain=True)
+    at.text_area[0].input(CAUSAL).run()
+    at.switch_page("app_pages/gallery.py").run()
+    at.switch_page("app_pages/playground.py").run()
+    no_exception(at)
+    assert at.session_state[editor.CODE_KEY] == CAUSAL
+    assert at.text_area[0].value == CAUSAL
+    at.toggle(key=editor.PLAIN_KEY).set_value(False).run()  # to the Ace editor
+    at.toggle(key=editor.PLAIN_KEY).set_value(True).run()   # and back
+    no_exception(at)
+    assert at.session_state[editor.CODE_KEY] == CAUSAL
+    assert at.text_area[0].value == CAUSAL

@@ -1,11 +1,13 @@
-"""The workbench's glue below the pages: drawing long masks in bounded memory, and the checker
-process that runs the user's code first."""
+"""The workbench's glue below the pages: long masks drawn in bounded memory; every gallery
+variant previews and opens in the Playground."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from app import sandbox, services
+pytest.importorskip("streamlit")  # the GPU machine has no streamlit: these tests skip there
+
+from app import sandbox, services  # noqa: E402
 
 SHAPE = {"B": 1, "Hq": 2, "Hkv": 2, "Q_LEN": 64, "KV_LEN": 64, "D": 16, "device": "cpu"}
 
@@ -33,30 +35,6 @@ def test_long_masks_are_pooled_in_slabs_with_exact_counts(monkeypatch):
     assert view["pool"] == (4, 3)
     expected, _ = services._pool(dense.astype(np.float64))
     np.testing.assert_allclose(view["frac"], expected, atol=1e-6)
-
-
-def test_checker_survives_a_crash_in_native_code():
-    code = "import ctypes\nctypes.string_at(0)\n"
-    result = sandbox.check_code(code, SHAPE, timeout_s=10)
-    assert not result["ok"] and "crash" in result["problem"]["message"]
-    # The next request is served normally.
-    ok = sandbox.check_code("def mask_mod(b, h, q_idx, kv_idx):\n    return q_idx >= kv_idx\n",
-                            SHAPE, timeout_s=10)
-    assert ok["ok"] and "q_idx >= kv_idx" in ok["mask_source"]
-
-
-def test_user_prints_do_not_break_the_checker():
-    code = ("print('hello')\n\ndef mask_mod(b, h, q_idx, kv_idx):\n    print(q_idx)\n"
-            "    return q_idx >= kv_idx\n")
-    result = sandbox.check_code(code, SHAPE, timeout_s=10)
-    assert result["ok"], result
-
-
-def test_endless_loop_at_top_level_is_stopped_with_its_line():
-    code = "import torch\n\nn = 0\nwhile True:\n    n += 1\n"
-    result = sandbox.check_code(code, SHAPE, timeout_s=2)
-    problem = result["problem"]
-    assert problem["kind"] == "timeout" and problem["lineno"] in (4, 5)
 
 
 def _variant_names() -> list[str]:

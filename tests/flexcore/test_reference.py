@@ -101,7 +101,7 @@ def test_gqa_passes_the_query_head_to_mods():
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     with pytest.raises(InputError, match="enable_gqa=True"):
         flex_attention_reference(q, k, v)
-    with pytest.raises(InputError, match="multiple"):
+    with pytest.raises(InputError, match="divisible"):
         flex_attention_reference(q[:, :5], k, v, enable_gqa=True)
 
 
@@ -274,21 +274,21 @@ def test_decoding_with_a_sliced_block_mask():
 
 def test_input_errors():
     q, k, v = torch.randn(1, 2, 16, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
-    with pytest.raises(InputError, match="4-d"):
+    with pytest.raises(InputError, match="expected 4 dims"):
         flex_attention_reference(q[0], k, v)
     with pytest.raises(InputError, match="share a dtype"):
         flex_attention_reference(q.double(), k, v)
-    with pytest.raises(InputError, match="head dims differ"):
+    with pytest.raises(InputError, match="query head dim 4 differs from key head dim 8"):
         flex_attention_reference(q[..., :4], k, v)
-    with pytest.raises(InputError, match="same heads and length"):
+    with pytest.raises(InputError, match="key has length 20 but value has 10"):
         flex_attention_reference(q, k, v[:, :, :10])
     with pytest.raises(InputError, match="batch sizes differ"):
         flex_attention_reference(q, k.expand(2, -1, -1, -1), v)
     small = create_block_mask(causal, None, None, 8, 8, device="cpu", BLOCK_SIZE=8)
-    with pytest.raises(InputError, match="Q_LEN=16, KV_LEN=20"):
+    with pytest.raises(InputError, match="built for Q_LEN=8, KV_LEN=8"):
         flex_attention_reference(q, k, v, block_mask=small)
     three_batches = create_block_mask(causal, 3, None, 16, 20, device="cpu", BLOCK_SIZE=8)
-    with pytest.raises(InputError, match="\\(B, H\\) = \\(3, 1\\)"):
+    with pytest.raises(InputError, match="block_mask has batch 3"):
         flex_attention_reference(q, k, v, block_mask=three_batches)
     with pytest.raises(ModSignatureError, match="score_mod"):
         flex_attention_reference(q, k, v, score_mod=causal)

@@ -1,0 +1,87 @@
+"""Input checks shared by flex_attention and its eager reference: one message for one mistake."""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flexcore.errors import InputError
+
+# float64 runs too (slowly on GPUs): it is what torch.autograd.gradcheck needs.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shape(t: Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def check_qkv(query, key, value, enable_gqa: bool, dtypes: tuple | None = KERNEL_DTYPES) -> None:
+    """Raise InputError naming the argument unless q, k, v can be attended together.
+
+    Args:
+        dtypes: accepted dtypes; None accepts any floating dtype (the reference takes float64).
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, Tensor):
+            raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise InputError(f"{name} has shape {_shape(t)}; expected 4 dims (B, H, L, D)")
+        if dtypes is None and not t.is_floating_point():
+            raise InputError(f"{name} has dtype {t.dtype}; expected a floating-point dtype")
+        if dtypes is not None and t.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise InputError(f"{name} has dtype {t.dtype}; expected one of {names}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise InputError(f"query, key and value must share a dtype; got {query.dtype}, {key.dtype}, "
+                         f"{value.dtype}")
+    if not (query.device == key.device == value.device):
+        raise InputError(f"query, key and value must be on one device; got {query.device}, "
+                         f"{key.device}, {value.device}")
+    B, Hq, L, D = query.shape
+    Bk, Hkv, S, Dk = key.shape
+    Bv, Hv, Sv, Dv = value.shape
+    if Bk not in (1, B) or Bv != Bk:
+        raise InputError(f"batch sizes differ: query {_shape(query)}, key {_shape(key)}, value "
+                         f"{_shape(value)}; key and value need the query's batch size, or 1 to "
+                         "share one cache")
+    if Hv != Hkv:
+        raise InputError(f"key has {Hkv} heads but value has {Hv}: they must match "
+                         f"(key {_shape(key)}, value {_shape(value)})")
+    if Sv != S:
+        raise InputError(f"key has length {S} but value has {Sv} (key {_shape(key)}, value {_shape(value)})")
+    if Dk != D:
+        raise InputError(f"query head dim {D} differs from key head dim {Dk} "
+                         f"(query {_shape(query)}, key {_shape(key)})")
+    if min(L, S, D, Dv, B, Hq, Hkv) == 0:
+        raise InputError(f"empty input: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}")
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise InputError(f"query has {Hq} heads and key/value {Hkv}; pass enable_gqa=True for "
+                             "grouped-query attention, or give them the same number of heads")
+        if Hq % Hkv:
+            raise InputError(f"enable_gqa=True needs query heads ({Hq}) divisible by key/value heads ({Hkv})")
+
+
+def check_block_mask(block_mask, B: int, Hq: int, L: int, S: int, device: torch.device) -> None:
+    """Raise InputError unless ``block_mask`` was built for these lengths, batch, heads and device."""
+    from flexcore.blockmask import BlockMask
+
+    if not isinstance(block_mask, BlockMask):
+        raise InputError(f"block_mask must be a flexcore.BlockMask (from flexcore.create_block_mask), "
+                         f"got {type(block_mask).__name__}")
+    mq, mkv = block_mask.seq_lengths
+    if (mq, mkv) != (L, S):
+        raise InputError(
+            f"block_mask was built for Q_LEN={mq}, KV_LEN={mkv} but query has length {L} and key {S}. "
+            f"Build it with create_block_mask(mask_mod, B, H, {L}, {S}); for decoding with a sliced "
+            f"mask, set its lengths with dataclasses.replace(mask, seq_lengths=({L}, {S}))")
+    mb, mh, qb = block_mask.kv_num_blocks.shape
+    if mb not in (1, B) or mh not in (1, Hq):
+        raise InputError(f"block_mask has batch {mb} and heads {mh}; expected batch 1 or {B} and heads "
+                         f"1 or {Hq} (the query's)")
+    if block_mask.kv_num_blocks.device != device:
+        raise InputError(f"block_mask is on {block_mask.kv_num_blocks.device} but query is on {device}; "
+                         f"move it with block_mask.to({str(device)!r})")
+    bq, bkv = block_mask.BLOCK_SIZE
+    if qb * bq < L or block_mask.kv_indices.shape[-1] * bkv < S:
+        raise InputError(f"block_mask covers {qb * bq} queries and {block_mask.kv_indices.shape[-1] * bkv} "
+                         f"keys with BLOCK_SIZE {block_mask.BLOCK_SIZE}; the inputs need {L} and {S}")
