@@ -13,6 +13,7 @@ from flexcore._validate import check_block_mask, check_qkv
 from flexcore.errors import InputError
 from flexcore.options import KernelOptions
 
+
 def validate_inputs(query, key, value, block_mask, scale, enable_gqa) -> None:
     """Raise InputError naming the argument when the inputs cannot be attended by the kernels."""
     check_qkv(query, key, value, enable_gqa)
@@ -30,7 +31,8 @@ def validate_inputs(query, key, value, block_mask, scale, enable_gqa) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _full_block_mask(B: int, H: int, L: int, S: int, device: torch.device):
+def _full_block_mask(L: int, S: int, device: torch.device):
+    """The all-full BlockMask of an (L, S) problem, broadcast over batch and heads."""
     from flexcore.blockmask import create_block_mask
     from flexcore.masks import noop_mask
 
@@ -123,7 +125,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
     B, Hq, L, D = query.shape
     S = key.shape[2]
     if block_mask is None:
-        block_mask = _full_block_mask(B, Hq, L, S, query.device)
+        block_mask = _full_block_mask(L, S, query.device)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     score_lowered = lower_score_mod(score_mod, score_dtype)

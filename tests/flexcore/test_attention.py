@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-import zlib
 
 import pytest
 import torch
@@ -12,21 +10,9 @@ from flexcore import KernelOptions, create_block_mask, flex_attention
 from flexcore.errors import InputError
 from flexcore.reference import flex_attention_reference
 from tests.flexcore.cases import CPU_SHAPES, MOD_NAMES, Shape, make_mods
+from tests.flexcore.compare import assert_matches_reference, rel_err, seed_of
 
 DEVICE = "cpu"
-
-
-def rel_err(out, golden):
-    out, golden = out.double(), golden.double()
-    fin = torch.isfinite(golden)
-    if not torch.equal(torch.isfinite(out), fin):
-        return math.inf
-    diff = (out[fin] - golden[fin]).norm()
-    return (diff / golden[fin].norm().clamp_min(1e-30)).item()
-
-
-def seed_of(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
 
 
 def check_forward(shape: Shape, mod_name: str, dtype, seed: int, kernel_options=None, device=DEVICE):
@@ -40,19 +26,8 @@ def check_forward(shape: Shape, mod_name: str, dtype, seed: int, kernel_options=
     gqa = shape.Hq != shape.Hkv
     out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
                               return_lse=True, kernel_options=kernel_options)
-    gold, gold_lse = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=bm,
-                                              enable_gqa=gqa, return_lse=True, upcast=True)
-    base, _ = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=bm,
-                                       enable_gqa=gqa, return_lse=True, upcast=False)
-    assert out.dtype == dtype and out.shape == (shape.B, shape.Hq, shape.L, shape.Dv)
-    assert not out.isnan().any()
-    err, base_err = rel_err(out, gold), rel_err(base, gold)
-    eps = 1e-6 if dtype == torch.float32 else 1e-3
-    assert err <= 2 * base_err + eps, f"{mod_name}/{shape.name}/{dtype}: err {err:.3g} vs torch {base_err:.3g}"
-    # lse: -inf exactly where the reference has it, close elsewhere.
-    assert torch.equal(torch.isinf(lse), torch.isinf(gold_lse))
-    fin = torch.isfinite(gold_lse)
-    assert (lse[fin].double() - gold_lse[fin]).abs().max() <= 1e-4 * max(1.0, gold_lse[fin].abs().max().item())
+    assert out.shape == (shape.B, shape.Hq, shape.L, shape.Dv)
+    assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"{mod_name}/{shape.name}/{dtype}")
 
 
 @pytest.mark.parametrize("mod_name", MOD_NAMES)

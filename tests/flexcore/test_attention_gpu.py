@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from tests.flexcore.cases import GPU_SHAPES, MOD_NAMES
-from tests.flexcore.test_attention import check_forward, seed_of
+from tests.flexcore.compare import seed_of
+from tests.flexcore.test_attention import check_forward
 
 pytestmark = [
     pytest.mark.gpu,

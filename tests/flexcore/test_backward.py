@@ -15,7 +15,7 @@ from flexcore.errors import InputError
 from flexcore.reference import flex_attention_reference
 from flexcore.testing import assert_close_to_reference
 from tests.flexcore.cases import CPU_SHAPES, GPU_SHAPES, MOD_NAMES, Shape, make_mods
-from tests.flexcore.test_attention import seed_of
+from tests.flexcore.compare import seed_of
 
 DEVICE = "cpu"
 

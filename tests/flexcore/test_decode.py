@@ -2,45 +2,23 @@
 from __future__ import annotations
 
 import math
-import zlib
 
 import pytest
 import torch
 
 from flexcore import create_block_mask, flex_attention
+from flexcore.attention import _kv_blocks
 from flexcore.decoding import offset_mask_mod, offset_score_mod
 from flexcore.errors import InputError
 from flexcore.kernels import codegen
 from flexcore.kernels.decode import DecodePlan, choose_num_splits, decode, plan_decode
-from flexcore.kernels.forward import BlockTensors
 from flexcore.lowering import lower_mask_mod, lower_score_mod
 from flexcore.options import KernelOptions
 from flexcore.reference import flex_attention_reference
 from tests.flexcore.cases import MOD_NAMES, Shape, make_mods
+from tests.flexcore.compare import assert_matches_reference, rel_err, seed_of
 
 DEVICE = "cpu"
-
-
-def seed_of(*parts) -> int:
-    return zlib.crc32(repr(parts).encode())
-
-
-def rel_err(out, golden):
-    out, golden = out.double(), golden.double()
-    fin = torch.isfinite(golden)
-    if not torch.equal(torch.isfinite(out), fin):
-        return math.inf
-    diff = (out[fin] - golden[fin]).norm()
-    return (diff / golden[fin].norm().clamp_min(1e-30)).item()
-
-
-def block_tensors(block_mask, B, Hq) -> BlockTensors:
-    def expand(t):
-        return None if t is None else t.expand(B, Hq, *t.shape[2:])
-
-    return BlockTensors(expand(block_mask.kv_num_blocks), expand(block_mask.kv_indices),
-                        expand(block_mask.full_kv_num_blocks), expand(block_mask.full_kv_indices),
-                        tuple(block_mask.BLOCK_SIZE))
 
 
 def run_decode(q, k, v, score_mod, block_mask, num_splits=None, opts=None):
@@ -50,24 +28,8 @@ def run_decode(q, k, v, score_mod, block_mask, num_splits=None, opts=None):
         block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, L,
                                        k.shape[2], device=q.device)
     return decode(q, k, v, lower_score_mod(score_mod), lower_mask_mod(block_mask.mask_mod),
-                  block_tensors(block_mask, B, Hq), 1.0 / math.sqrt(D), opts or KernelOptions(),
+                  _kv_blocks(block_mask, B, Hq), 1.0 / math.sqrt(D), opts or KernelOptions(),
                   num_splits=num_splits)
-
-
-def check_against_reference(q, k, v, score_mod, block_mask, out, lse, what: str):
-    gqa = q.shape[1] != k.shape[1]
-    gold, gold_lse = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                              enable_gqa=gqa, return_lse=True, upcast=True)
-    base = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=block_mask,
-                                    enable_gqa=gqa, upcast=False)
-    assert out.dtype == q.dtype and out.shape == gold.shape, what
-    assert not out.isnan().any(), what
-    err, base_err = rel_err(out, gold), rel_err(base, gold)
-    eps = 1e-6 if q.dtype == torch.float32 else 1e-3
-    assert err <= 2 * base_err + eps, f"{what}: err {err:.3g} vs torch {base_err:.3g}"
-    assert torch.equal(torch.isinf(lse), torch.isinf(gold_lse)), what
-    fin = torch.isfinite(gold_lse)
-    assert (lse[fin].double() - gold_lse[fin]).abs().max() <= 1e-4 * max(1.0, gold_lse[fin].abs().max().item()), what
 
 
 def check_decode(shape: Shape, mod_name: str, dtype, seed: int, num_splits=None, device=DEVICE):
@@ -79,7 +41,7 @@ def check_decode(shape: Shape, mod_name: str, dtype, seed: int, num_splits=None,
         bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=device,
                                BLOCK_SIZE=shape.block)
     out, lse = run_decode(q, k, v, score_mod, bm, num_splits=num_splits)
-    check_against_reference(q, k, v, score_mod, bm, out, lse, f"{mod_name}/{shape.name}/{dtype}")
+    assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"{mod_name}/{shape.name}/{dtype}")
 
 
 # Why these shapes: S=300 leaves a ragged last key block; 8 query heads on 2 KV heads packs a GQA
@@ -128,7 +90,7 @@ def test_decode_fully_masked_rows():
     out, lse = run_decode(q, k, v, None, bm, num_splits=3)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
     assert bool((lse[0] == -math.inf).all())
-    check_against_reference(q, k, v, None, bm, out, lse, "fully masked batch 0")
+    assert_matches_reference(q, k, v, None, bm, out, lse, "fully masked batch 0")
 
 
 def test_decode_per_head_block_mask():
@@ -144,10 +106,10 @@ def test_decode_per_head_block_mask():
     bm = create_block_mask(per_head_window, None, shape.Hq, shape.L, shape.S, device=DEVICE,
                            BLOCK_SIZE=64)
     plan = plan_decode(shape.B, shape.Hq, shape.Hkv, shape.L, shape.S,
-                       block_tensors(bm, shape.B, shape.Hq), torch.device(DEVICE))
+                       _kv_blocks(bm, shape.B, shape.Hq), torch.device(DEVICE))
     assert plan.heads_per_tile == 1
     out, lse = run_decode(q, k, v, None, bm)
-    check_against_reference(q, k, v, None, bm, out, lse, "per-head mask")
+    assert_matches_reference(q, k, v, None, bm, out, lse, "per-head mask")
 
 
 @pytest.mark.parametrize("block_n", [None, 32])
@@ -159,7 +121,7 @@ def test_decode_tiles_within_mask_blocks(block_n):
     score_mod, mask_mod = make_mods("document", shape, DEVICE, gen)
     bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=DEVICE, BLOCK_SIZE=128)
     out, lse = run_decode(q, k, v, score_mod, bm, num_splits=2, opts=KernelOptions(BLOCK_N=block_n))
-    check_against_reference(q, k, v, score_mod, bm, out, lse, f"BLOCK_N {block_n}")
+    assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"BLOCK_N {block_n}")
 
 
 def test_decode_query_longer_than_mask_block():
@@ -171,10 +133,10 @@ def test_decode_query_longer_than_mask_block():
 def test_decode_plan_packs_gqa_group():
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 1, 8192,
                            device=DEVICE)
-    plan = plan_decode(8, 32, 8, 1, 8192, block_tensors(bm, 8, 32), torch.device(DEVICE), num_splits=4)
+    plan = plan_decode(8, 32, 8, 1, 8192, _kv_blocks(bm, 8, 32), torch.device(DEVICE), num_splits=4)
     assert plan == DecodePlan(heads_per_tile=4, q_per_tile=1, q_chunks=1, block_m=16, num_splits=4)
     with pytest.raises(InputError, match="num_splits"):
-        plan_decode(8, 32, 8, 1, 8192, block_tensors(bm, 8, 32), torch.device(DEVICE), num_splits=0)
+        plan_decode(8, 32, 8, 1, 8192, _kv_blocks(bm, 8, 32), torch.device(DEVICE), num_splits=0)
 
 
 def test_choose_num_splits_fills_the_gpu():
@@ -222,7 +184,7 @@ def test_offsets_match_absolute_positions(offset_shape):
     # The same attention written with explicit absolute positions.
     ref_mask, ref_score = _shifted_reference_mods(torch.tensor(values), slopes)
     ref_bm = create_block_mask(ref_mask, shape.B, None, shape.L, shape.S, device=DEVICE, BLOCK_SIZE=64)
-    check_against_reference(q, k, v, ref_score, ref_bm, out, lse, f"offset {offset_shape}")
+    assert_matches_reference(q, k, v, ref_score, ref_bm, out, lse, f"offset {offset_shape}")
 
 
 def test_changing_offset_does_not_recompile():
@@ -251,7 +213,7 @@ def test_changing_offset_does_not_recompile():
         assert codegen.compile_count == compiles, f"recompiled at offset {pos}"
         ref_mask, ref_score = _shifted_reference_mods(torch.tensor([pos, pos]), slopes)
         ref_bm = create_block_mask(ref_mask, None, None, 1, shape.S, device=DEVICE, BLOCK_SIZE=64)
-        check_against_reference(q, k, v, ref_score, ref_bm, out, lse, f"offset {pos}")
+        assert_matches_reference(q, k, v, ref_score, ref_bm, out, lse, f"offset {pos}")
 
 
 def test_offset_errors():
@@ -357,7 +319,7 @@ def decode_timings(S: int, B: int = 8, Hq: int = 32, Hkv: int = 8, D: int = 128,
     def prepared(score_mod, bm):
         # Lower once: the timing covers the kernels and decode()'s own host work only.
         args = (q, k, v, lower_score_mod(score_mod), lower_mask_mod(bm.mask_mod),
-                block_tensors(bm, B, Hq), scale, KernelOptions())
+                _kv_blocks(bm, B, Hq), scale, KernelOptions())
         return lambda: decode(*args)
 
     timings = {}

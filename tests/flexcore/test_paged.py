@@ -12,7 +12,8 @@ from flexcore.errors import InputError
 from flexcore.kernels import codegen
 from flexcore.lowering import lower_score_mod
 from flexcore.paged import PagedAttention
-from tests.flexcore.test_decode import check_against_reference, rel_err, run_decode, seed_of
+from tests.flexcore.compare import assert_matches_reference, rel_err, seed_of
+from tests.flexcore.test_decode import run_decode
 
 DEVICE = "cpu"
 
@@ -234,7 +235,7 @@ def test_paged_equals_contiguous(variant):
         contiguous_bm = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < kv_len[b], B, None, L, S,
                                           device=DEVICE, BLOCK_SIZE=(16, page))
     out, lse = run_decode(q, k, v, score_mod, contiguous_bm, num_splits=2)
-    check_against_reference(q, k, v, score_mod, contiguous_bm, out, lse, variant)
+    assert_matches_reference(q, k, v, score_mod, contiguous_bm, out, lse, variant)
 
     batch_idx = torch.tensor(slots)
     paged_bm = paged.convert_logical_block_mask(logical, batch_idx=batch_idx, kv_len=kv_len)
@@ -293,7 +294,8 @@ def test_new_pages_do_not_recompile():
 @pytest.mark.parametrize("S", [8192, 65536])
 def test_paged_decode_gpu_speed(S):
     """Paged decoding equals the contiguous result and is within 5% of its latency (page 128)."""
-    from tests.flexcore.test_decode import _cuda_time_us, block_tensors
+    from flexcore.attention import _kv_blocks
+    from tests.flexcore.test_decode import _cuda_time_us
     from flexcore.kernels.decode import decode
     from flexcore.lowering import lower_mask_mod
     from flexcore.options import KernelOptions
@@ -320,7 +322,7 @@ def test_paged_decode_gpu_speed(S):
 
     def call(qq, kk, vv, bm, score_mod):
         args = (qq, kk, vv, lower_score_mod(score_mod), lower_mask_mod(bm.mask_mod),
-                block_tensors(bm, B, Hq), scale, KernelOptions())
+                _kv_blocks(bm, B, Hq), scale, KernelOptions())
         return lambda: decode(*args)
 
     contiguous = call(q, k, v, logical, None)
