@@ -32,7 +32,8 @@ def run_decode(q, k, v, score_mod, block_mask, num_splits=None, opts=None):
                   num_splits=num_splits)
 
 
-def check_decode(shape: Shape, mod_name: str, dtype, seed: int, num_splits=None, device=DEVICE):
+def check_decode(shape: Shape, mod_name: str, dtype, seed: int, num_splits=None, device=DEVICE,
+                 opts=None):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (t.to(device) for t in shape.qkv(dtype, "cpu", gen))
     score_mod, mask_mod = make_mods(mod_name, shape, device, gen)
@@ -40,7 +41,8 @@ def check_decode(shape: Shape, mod_name: str, dtype, seed: int, num_splits=None,
     if mask_mod is not None:
         bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=device,
                                BLOCK_SIZE=shape.block)
-    out, lse = run_decode(q, k, v, score_mod, bm, num_splits=num_splits)
+    out, lse = run_decode(q, k, v, score_mod, bm, num_splits=num_splits,
+                          opts=KernelOptions.from_any(opts))
     assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"{mod_name}/{shape.name}/{dtype}")
 
 
