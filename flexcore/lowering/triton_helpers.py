@@ -78,7 +78,8 @@ def _expm1_portable(x):
     # Kahan: (u - 1) * x / log(u) is accurate near 0 where exp(x) - 1 cancels.
     u = tl.exp(x)
     um1 = u - 1.0
-    safe = tl.where((u == 1.0) | (um1 == -1.0), 1.0, u)
+    # Lanes the wheres below replace get u = 2, so no 0/0 or inf/inf is ever evaluated.
+    safe = tl.where((u == 1.0) | (um1 == -1.0) | (x > 80.0), 2.0, u)
     r = um1 * x / tl.log(safe)
     r = tl.where(u == 1.0, x, r)
     r = tl.where(um1 == -1.0, -1.0, r)
