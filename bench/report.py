@@ -299,9 +299,8 @@ def _png_figures(speed, series, baseline, fig_dir: Path, colors: dict) -> list[P
         ax.set_ylabel(f"speed-up over {baseline} (geo-mean)")
         ax.set_title(f"Speed-up, {PASS_LABELS.get(p_name, p_name)}")
         ax.legend(fontsize=7)
-        fig.tight_layout()
         path = fig_dir / f"speedup_{p_name}.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")  # long variant labels grow the canvas
         plt.close(fig)
         paths.append(path)
     by_pass = defaultdict(dict)
@@ -325,9 +324,8 @@ def _png_figures(speed, series, baseline, fig_dir: Path, colors: dict) -> list[P
         for ax in list(axes.flat)[n:]:
             ax.axis("off")
         fig.suptitle(f"TFLOP/s against sequence length, {PASS_LABELS.get(p_name, p_name)}")
-        fig.tight_layout()
         path = fig_dir / f"tflops_{p_name}.png"
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, bbox_inches="tight")  # long variant labels grow the canvas
         plt.close(fig)
         paths.append(path)
     return paths

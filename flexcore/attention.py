@@ -58,16 +58,17 @@ class _FlexAttention(torch.autograd.Function):
     def forward(ctx, query, key, value, score_lowered, mask_lowered, blocks, scale, opts,
                 block_mask, score_mod, *captured):
         from flexcore.kernels.decode import decode, use_decode_kernel
-        from flexcore.kernels.forward import forward
+        from flexcore.kernels.forward import forward, row_stats_from_lse
 
         B = query.shape[0]
         if query.dtype != torch.float64 and use_decode_kernel(query.shape[2], opts):
             out, lse = decode(query, key, value, score_lowered, mask_lowered, blocks, scale, opts)
+            row_stats = row_stats_from_lse(lse)
         else:
             # A shared (batch 1) cache is read through stride-0 views.
-            out, lse = forward(query, key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1),
-                               score_lowered, mask_lowered, blocks, scale, opts)
-        ctx.save_for_backward(query, key, value, out, lse)
+            out, lse, row_stats = forward(query, key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1),
+                                          score_lowered, mask_lowered, blocks, scale, opts)
+        ctx.save_for_backward(query, key, value, out, row_stats)
         ctx.bwd = (score_lowered, mask_lowered, blocks, scale, opts, block_mask, score_mod)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -77,11 +78,11 @@ class _FlexAttention(torch.autograd.Function):
         from flexcore.kernels.backward import backward, q_block_tensors
         from flexcore.lowering.vjp import lower_score_mod_backward
 
-        query, key, value, out, lse = ctx.saved_tensors
+        query, key, value, out, row_stats = ctx.saved_tensors
         score_lowered, mask_lowered, blocks, scale, opts, block_mask, score_mod = ctx.bwd
         B, Hq = query.shape[:2]
         dq, dk, dv, captured_grads = backward(
-            query, key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1), out, lse, grad_out,
+            query, key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1), out, row_stats, grad_out,
             score_lowered, lower_score_mod_backward(score_mod, score_lowered, query.dtype if query.dtype == torch.float64 else torch.float32),
             mask_lowered,
             blocks, q_block_tensors(block_mask, B, Hq), scale, opts)

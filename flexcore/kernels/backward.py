@@ -135,13 +135,15 @@ def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int,
     return configs[0], configs[1]
 
 
-def backward(q, k, v, out, lse, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
+def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
              kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions):
     """Gradients of flex_attention's output with respect to q, k, v and the score_mod's captures.
 
     Args:
         q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv): the forward's inputs.
-        out (B, Hq, L, Dv), lse (B, Hq, L) float32 natural log: the forward's outputs.
+        out (B, Hq, L, Dv): the forward's output. row_stats (2, B, Hq, L): the forward's row max
+            (log2 units) and 1/row sum (``flexcore.kernels.forward.forward``); from a kernel that
+            returns only lse, use ``flexcore.kernels.forward.row_stats_from_lse``.
         grad_out (B, Hq, L, Dv): gradient of the loss with respect to ``out``.
         score_lowered, mask_lowered: the forward's lowered mods.
         score_bwd_lowered: ``flexcore.lowering.vjp.lower_score_mod_backward(score_mod, score_lowered)``.
@@ -158,7 +160,7 @@ def backward(q, k, v, out, lse, grad_out, score_lowered, score_bwd_lowered, mask
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     module = load_module(build_backward_source(score_lowered, score_bwd_lowered, mask_lowered),
                          "backward")
-    lse = lse.contiguous()
+    row_stats = row_stats.contiguous()
     head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
     sparse_q, sparse_kv = kv_blocks.sparse_block
     if q_blocks.sparse_block != (sparse_kv, sparse_q):
@@ -207,23 +209,23 @@ def backward(q, k, v, out, lse, grad_out, score_lowered, score_bwd_lowered, mask
     qn = q_blocks.full_num_blocks if q_blocks.full_num_blocks is not None else q_blocks.num_blocks
     qi = q_blocks.full_indices if q_blocks.full_indices is not None else q_blocks.indices
     _launch(module.flex_bwd_dkdv_kernel, lambda bm, bn: (math.ceil(S / bn), B * Hkv), (
-        q, k, v, grad_out, dk, dv, lse, delta,
+        q, k, v, grad_out, dk, dv, row_stats, delta,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
         q_blocks.num_blocks, q_blocks.indices, qn, qi,
         *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3],
         *qn.stride(), *qi.stride()[:3],
-        L, S, Hq, Hkv, scale, scale * _LOG2E, *caps, *grad_args),
+        B * Hq * L, L, S, Hq, Hkv, scale, scale * _LOG2E, *caps, *grad_args),
         bm1, bn1, meta1, dict(GQA_GROUP=Hq // Hkv, WRITE_CAPTURED_GRADS=bool(grad_buffers), **common))
 
     kn = kv_blocks.full_num_blocks if kv_blocks.full_num_blocks is not None else kv_blocks.num_blocks
     ki = kv_blocks.full_indices if kv_blocks.full_indices is not None else kv_blocks.indices
     _launch(module.flex_bwd_dq_kernel, lambda bm, bn: (math.ceil(L / bm), B * Hq), (
-        q, k, v, grad_out, dq, lse, delta,
+        q, k, v, grad_out, dq, row_stats, delta,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
         kv_blocks.num_blocks, kv_blocks.indices, kn, ki,
         *kv_blocks.num_blocks.stride(), *kv_blocks.indices.stride()[:3],
         *kn.stride(), *ki.stride()[:3],
-        L, S, Hq, scale, scale * _LOG2E, *caps, *grad_args),
+        B * Hq * L, L, S, Hq, scale, scale * _LOG2E, *caps, *grad_args),
         bm2, bn2, meta2, dict(GQA_GROUP=Hq // Hkv, **common))
 
     captured_grads = []

@@ -14,6 +14,14 @@ from flexcore.options import KernelOptions
 _LOG2E = 1.4426950408889634
 
 
+def row_stats_from_lse(lse: torch.Tensor) -> torch.Tensor:
+    """Row statistics (2, B, H, L) equivalent to ``lse``, for outputs of kernels that keep only lse
+    (decoding): max = lse in log2 units and 1/l = 1, i.e. p = exp2(s - lse2)."""
+    finite = torch.isfinite(lse)
+    row_max = torch.where(finite, lse * _LOG2E, lse)
+    return torch.stack([row_max, finite.to(lse.dtype)])
+
+
 @dataclass(frozen=True)
 class BlockTensors:
     """The BlockMask tensors a kernel reads, expanded to (B, H, ...) (stride 0 where broadcast)."""
@@ -107,8 +115,13 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
 
 def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,
             opts: KernelOptions):
-    """Run the forward kernel. Returns (out (B, Hq, L, Dv) in q's dtype, lse (B, Hq, L) float32,
-    or float64 for float64 inputs)."""
+    """Run the forward kernel.
+
+    Returns:
+        out (B, Hq, L, Dv) in q's dtype; lse (B, Hq, L) float32 (float64 for float64 inputs),
+        natural log; row_stats (2, B, Hq, L) of the same dtype: the row max of the scores in log2
+        units and 1/(row sum of exp2(s - max)), which the backward recomputes probabilities from.
+    """
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
@@ -116,7 +129,9 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     import triton.language as tl  # after prepare_triton(): see flexcore._runtime
 
     fp64 = q.dtype == torch.float64
-    lse = torch.empty((B, Hq, L), dtype=torch.float64 if fp64 else torch.float32, device=q.device)
+    acc_dtype = torch.float64 if fp64 else torch.float32
+    lse = torch.empty((B, Hq, L), dtype=acc_dtype, device=q.device)
+    row_stats = torch.empty((2, B, Hq, L), dtype=acc_dtype, device=q.device)  # see RowStats
     head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
     kernel, meta = _launcher(module, max(head_dim_pad, head_dim_v_pad), q.dtype, blocks.sparse_block,
                              opts, L)
@@ -130,12 +145,12 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         return (math.ceil(L / meta_["BLOCK_M"]), B * Hq)
 
     kernel[grid](
-        q, k, v, out, lse,
+        q, k, v, out, lse, row_stats,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         blocks.num_blocks, blocks.indices, full_n, full_i,
         *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
         *full_n.stride(), *full_i.stride()[:3],
-        L, S, Hq, scale, scale * _LOG2E,
+        B * Hq * L, L, S, Hq, scale, scale * _LOG2E,
         *score_lowered.kernel_args(), *mask_lowered.kernel_args(),
         GQA_GROUP=Hq // Hkv,
         HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
@@ -148,4 +163,4 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         ACC_DTYPE=tl.float64 if fp64 else tl.float32,
         **meta,
     )
-    return out, lse
+    return out, lse, row_stats

@@ -330,6 +330,7 @@ def test_backward_kernels_float64():
     # forward outputs, they match autograd to rounding (identity score_mod, masked blocks).
     from flexcore.attention import _kv_blocks
     from flexcore.kernels.backward import backward, q_block_tensors
+    from flexcore.kernels.forward import row_stats_from_lse
     from flexcore.lowering import lower_mask_mod, lower_score_mod
     from flexcore.lowering.vjp import lower_score_mod_backward
 
@@ -346,7 +347,9 @@ def test_backward_kernels_float64():
     grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     golden = torch.autograd.grad(out, (q, k, v), grad_out)
     score, mask = lower_score_mod(None), lower_mask_mod(window)
-    dq, dk, dv, caps = backward(q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+    # The reference gives lse only: row_stats_from_lse turns it into the kernels' row statistics.
+    dq, dk, dv, caps = backward(q.detach(), k.detach(), v.detach(), out.detach(),
+                                row_stats_from_lse(lse.detach()),
                                 grad_out, score, lower_score_mod_backward(None, score), mask,
                                 _kv_blocks(bm, B, H), q_block_tensors(bm, B, H), D ** -0.5,
                                 KernelOptions())

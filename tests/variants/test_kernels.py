@@ -110,13 +110,15 @@ def test_gradients_match_float64_reference(name, setting):
     golden = _grads(mods, q64, k64, v64, reference(True))
     baseline = _grads(mods, q, k, v, reference(False))
     assert ours.keys() == golden.keys()
-    # Relative Frobenius error, as the backward's own tests: the fused backward recomputes the
-    # probabilities from a float32 lse, which puts its float32 max-abs error a few times above
-    # eager autograd's on a few elements (bench/NOTES.md), while the whole-tensor error stays
-    # within eps. A 0.05% error in any gradient still fails.
+    # Relative Frobenius error, as the backward's own tests. A captured tensor's gradient sums
+    # score' * dS over every position, and the fused backward's dS = P * (dP - delta) takes
+    # delta = rowsum(dO * O) from the forward's rounded output (as FlashAttention does), so its
+    # float32 error reaches ~3x eager autograd's; those get a factor of 4 (bench/NOTES.md).
+    # A 0.05% error in any gradient still fails.
     for grad_name in ours:
+        factor = 4.0 if grad_name not in ("dq", "dk", "dv") else 2.0
         assert_close_to_reference(ours[grad_name], golden[grad_name], baseline[grad_name],
-                                  metric="rel_fro", name=f"{mods.name} {grad_name}")
+                                  factor=factor, metric="rel_fro", name=f"{mods.name} {grad_name}")
 
 
 @pytest.mark.parametrize("name", [name for name, setting in CASES if setting == "default"])
