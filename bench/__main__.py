@@ -92,27 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Shape flags: each takes a comma-separated list of ints and overrides that axis of the grid.
+_SHAPE_FLAGS = ("batch", "seq", "q_len", "kv_len", "heads", "kv_heads", "head_dim")
+
+
 def _run(args) -> int:
     import torch
 
     from bench import grid as grid_mod
     from bench import runner
 
-    overrides = {}
-    if args.batch:
-        overrides["batch"] = _ints(args.batch)
-    if args.seq:
-        overrides["seq"] = _ints(args.seq)
-    if args.q_len:
-        overrides["q_len"] = _ints(args.q_len)
-    if args.kv_len:
-        overrides["kv_len"] = _ints(args.kv_len)
-    if args.heads:
-        overrides["heads"] = _ints(args.heads)
-    if args.kv_heads:
-        overrides["kv_heads"] = _ints(args.kv_heads)
-    if args.head_dim:
-        overrides["head_dim"] = _ints(args.head_dim)
+    overrides = {name: _ints(getattr(args, name)) for name in _SHAPE_FLAGS if getattr(args, name)}
     settings = {k: v for k, v in (("max_minutes", args.max_minutes), ("rep_ms", args.rep_ms),
                                   ("ref_slices", args.ref_slices), ("mask_budget_gb", args.mask_budget_gb),
                                   ("seed", args.seed)) if v is not None}

@@ -273,6 +273,14 @@ def _colors(names) -> dict:
     return out
 
 
+def _series_by_pass(series) -> dict:
+    """{pass: {variant: lines}} from the {(pass, variant): lines} of the TFLOP/s plots."""
+    by_pass = defaultdict(dict)
+    for (p_name, variant), lines in series.items():
+        by_pass[p_name][variant] = lines
+    return by_pass
+
+
 def _png_figures(speed, series, baseline, fig_dir: Path, colors: dict) -> list[Path]:
     import matplotlib
 
@@ -303,10 +311,7 @@ def _png_figures(speed, series, baseline, fig_dir: Path, colors: dict) -> list[P
         fig.savefig(path, dpi=110, bbox_inches="tight")  # long variant labels grow the canvas
         plt.close(fig)
         paths.append(path)
-    by_pass = defaultdict(dict)
-    for (p_name, variant), lines in series.items():
-        by_pass[p_name][variant] = lines
-    for p_name, per_variant in by_pass.items():
+    for p_name, per_variant in _series_by_pass(series).items():
         n = len(per_variant)
         cols = min(3, n)
         rows = math.ceil(n / cols)
@@ -356,10 +361,7 @@ def _plotly_figures(speed, series, baseline, colors: dict) -> list[str] | None:
                                 f"{PASS_LABELS.get(p_name, p_name)}", barmode="group",
                           yaxis_title="speed-up", height=420)
         figs.append(fig)
-    by_pass = defaultdict(dict)
-    for (p_name, variant), lines in series.items():
-        by_pass[p_name][variant] = lines
-    for p_name, per_variant in by_pass.items():
+    for p_name, per_variant in _series_by_pass(series).items():
         n = len(per_variant)
         cols = min(3, n)
         rows = math.ceil(n / cols)

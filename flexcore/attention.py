@@ -42,12 +42,9 @@ def _full_block_mask(L: int, S: int, device: torch.device):
 def _kv_blocks(block_mask, B, Hq):
     from flexcore.kernels.forward import BlockTensors
 
-    def expand(t):
-        return None if t is None else t.expand(B, Hq, *t.shape[2:])
-
-    return BlockTensors(expand(block_mask.kv_num_blocks), expand(block_mask.kv_indices),
-                        expand(block_mask.full_kv_num_blocks), expand(block_mask.full_kv_indices),
-                        tuple(block_mask.BLOCK_SIZE))
+    return BlockTensors.expanded(block_mask.kv_num_blocks, block_mask.kv_indices,
+                                 block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+                                 block_mask.BLOCK_SIZE, B, Hq)
 
 
 class _FlexAttention(torch.autograd.Function):

@@ -58,13 +58,10 @@ def q_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
             block_mask.full_kv_indices, BLOCK_SIZE=block_mask.BLOCK_SIZE,
             mask_mod=block_mask.mask_mod, seq_lengths=block_mask.seq_lengths)
 
-    def expand(t):
-        return None if t is None else t.expand(B, Hq, *t.shape[2:])
-
     bq, bkv = block_mask.BLOCK_SIZE
-    return BlockTensors(expand(block_mask.q_num_blocks), expand(block_mask.q_indices),
-                        expand(block_mask.full_q_num_blocks), expand(block_mask.full_q_indices),
-                        (bkv, bq))
+    return BlockTensors.expanded(block_mask.q_num_blocks, block_mask.q_indices,
+                                 block_mask.full_q_num_blocks, block_mask.full_q_indices,
+                                 (bkv, bq), B, Hq)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, 2-byte dtypes. dK/dV programs own

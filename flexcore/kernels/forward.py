@@ -32,6 +32,16 @@ class BlockTensors:
     full_indices: torch.Tensor | None
     sparse_block: tuple[int, int]  # (rows, cols) of one mask block along this iteration
 
+    @classmethod
+    def expanded(cls, num_blocks, indices, full_num_blocks, full_indices, sparse_block,
+                 B: int, H: int) -> "BlockTensors":
+        """Tables of shape (1 or B, 1 or H, ...) viewed as (B, H, ...) without a copy."""
+        def expand(t):
+            return None if t is None else t.expand(B, H, *t.shape[2:])
+
+        return cls(expand(num_blocks), expand(indices), expand(full_num_blocks),
+                   expand(full_indices), tuple(sparse_block))
+
 
 def pad_head_dim(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())

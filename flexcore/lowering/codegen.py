@@ -196,6 +196,35 @@ class ModCodegen:
     def _promote(self, a: Val, b: Val) -> torch.dtype:
         return torch.result_type(self._dummy(a), self._dummy(b))
 
+    def offset_terms(self, p: str, shape: tuple, index, node=None) -> tuple[list[str], frozenset]:
+        """Offset terms (``"i * {p}_s{d}"``) of the element ``index`` of a captured tensor of
+        ``shape`` whose strides are ``{p}_s{d}``, and the index arguments they depend on.
+
+        ``None`` entries are size-1 dimensions read at 0; negative indices wrap as in torch.
+        """
+        terms, deps = [], frozenset()
+        for d, idx in enumerate(index):
+            if idx is None:
+                continue
+            deps |= idx.deps
+            if idx.const is not None:
+                c = int(idx.const)
+                if not -shape[d] <= c < shape[d]:
+                    raise self._error(
+                        ModError, f"index {c} is out of range for dimension {d} (size "
+                        f"{shape[d]}) of a captured tensor of shape {shape}", node=node)
+                if c < 0:
+                    c += shape[d]
+                if c:
+                    terms.append(f"{c} * {p}_s{d}")
+                continue
+            expr = idx.expr
+            if not idx.nonneg:
+                # Negative indices wrap around, as torch's indexing does.
+                expr = self._emit(f"tl.where({expr} < 0, {expr} + {shape[d]}, {expr})")
+            terms.append(f"{expr} * {p}_s{d}")
+        return terms, deps
+
     def _load(self, view: View) -> Val:
         for d, (size, idx) in enumerate(zip(view.shape, view.index)):
             if idx is None and size != 1:
@@ -205,28 +234,7 @@ class ModCodegen:
                     f"{shape} left after indexing; index every dimension (e.g. t[h, q_idx]) so "
                     "that each position reads one element", node=view.node)
         p = f"{self.prefix}_c{view.cap}"
-        terms, deps = [], frozenset()
-        for d, idx in enumerate(view.index):
-            if idx is None:
-                continue  # a size-1 dimension read at 0
-            deps |= idx.deps
-            if idx.const is not None:
-                c = int(idx.const)
-                if not -view.shape[d] <= c < view.shape[d]:
-                    raise self._error(
-                        ModError, f"index {c} is out of range for dimension {d} (size "
-                        f"{view.shape[d]}) of a captured tensor of shape {view.shape}",
-                        node=view.node)
-                if c < 0:
-                    c += view.shape[d]
-                if c:
-                    terms.append(f"{c} * {p}_s{d}")
-                continue
-            expr = idx.expr
-            if not idx.nonneg:
-                # Negative indices wrap around, as torch's indexing does.
-                expr = self._emit(f"tl.where({expr} < 0, {expr} + {view.shape[d]}, {expr})")
-            terms.append(f"{expr} * {p}_s{d}")
+        terms, deps = self.offset_terms(p, view.shape, view.index, view.node)
         ptr = f"{p}_ptr" + "".join(f" + {t}" for t in terms)
         masks = []
         if "q" in deps or "score" in deps:

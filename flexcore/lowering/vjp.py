@@ -187,23 +187,11 @@ class _VjpCodegen(_codegen.ModCodegen):
         else:  # a 0-d captured tensor: its gradient is an ordinary per-position value
             terms = [([], self.value(grad))]
         for indices, value in terms:
-            offset, deps = [], frozenset()
             for d, idx in enumerate(indices):
-                if idx is None:
-                    if shape[d] != 1:
-                        raise self._error(ModError, f"gradient over a whole dimension of a captured "
-                                          f"tensor of shape {shape}; index every dimension")
-                    continue
-                deps = deps | idx.deps
-                if idx.const is not None:
-                    c = int(idx.const) % shape[d]
-                    if c:
-                        offset.append(f"{c} * {p}_s{d}")
-                    continue
-                expr = idx.expr
-                if not idx.nonneg:
-                    expr = self._emit(f"tl.where({expr} < 0, {expr} + {shape[d]}, {expr})")
-                offset.append(f"{expr} * {p}_s{d}")
+                if idx is None and shape[d] != 1:
+                    raise self._error(ModError, f"gradient over a whole dimension of a captured "
+                                      f"tensor of shape {shape}; index every dimension")
+            offset, deps = self.offset_terms(p, shape, indices)
             off = " + ".join(offset) if offset else "0"
             vals = self.cast(value, torch.float64 if dtype == torch.float64 else torch.float32)
             self.lines.append("    if WRITE_CAPTURED_GRADS:")
