@@ -124,5 +124,19 @@ def make_mods(name: str, shape: Shape, device, generator=None):
     raise KeyError(name)
 
 
+def make_case(shape: Shape, mod_name: str, dtype, seed: int, device):
+    """Fresh (q, k, v, score_mod, block_mask) for one test case (block_mask None: no mask_mod)."""
+    from flexcore import create_block_mask
+
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (t.to(device) for t in shape.qkv(dtype, "cpu", gen))
+    score_mod, mask_mod = make_mods(mod_name, shape, device, gen)
+    bm = None
+    if mask_mod is not None:
+        bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=device,
+                               BLOCK_SIZE=shape.block)
+    return q, k, v, score_mod, bm
+
+
 MOD_NAMES = ["noop", "causal", "sliding_window", "prefix_lm", "document", "alibi", "softcap",
              "relative_table", "and_or"]

@@ -9,20 +9,14 @@ import torch
 from flexcore import KernelOptions, create_block_mask, flex_attention
 from flexcore.errors import InputError
 from flexcore.reference import flex_attention_reference
-from tests.flexcore.cases import CPU_SHAPES, MOD_NAMES, Shape, make_mods
+from tests.flexcore.cases import CPU_SHAPES, MOD_NAMES, Shape, make_case
 from tests.flexcore.compare import assert_matches_reference, rel_err, seed_of
 
 DEVICE = "cpu"
 
 
 def check_forward(shape: Shape, mod_name: str, dtype, seed: int, kernel_options=None, device=DEVICE):
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (t.to(device) for t in shape.qkv(dtype, "cpu", gen))
-    score_mod, mask_mod = make_mods(mod_name, shape, device, gen)
-    bm = None
-    if mask_mod is not None:
-        bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=device,
-                               BLOCK_SIZE=shape.block)
+    q, k, v, score_mod, bm = make_case(shape, mod_name, dtype, seed, device)
     gqa = shape.Hq != shape.Hkv
     out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
                               return_lse=True, kernel_options=kernel_options)

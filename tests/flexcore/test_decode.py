@@ -15,7 +15,7 @@ from flexcore.kernels.decode import DecodePlan, choose_num_splits, decode, plan_
 from flexcore.lowering import lower_mask_mod, lower_score_mod
 from flexcore.options import KernelOptions
 from flexcore.reference import flex_attention_reference
-from tests.flexcore.cases import MOD_NAMES, Shape, make_mods
+from tests.flexcore.cases import MOD_NAMES, Shape, make_case, make_mods
 from tests.flexcore.compare import assert_matches_reference, rel_err, seed_of
 
 DEVICE = "cpu"
@@ -34,13 +34,7 @@ def run_decode(q, k, v, score_mod, block_mask, num_splits=None, opts=None):
 
 def check_decode(shape: Shape, mod_name: str, dtype, seed: int, num_splits=None, device=DEVICE,
                  opts=None):
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (t.to(device) for t in shape.qkv(dtype, "cpu", gen))
-    score_mod, mask_mod = make_mods(mod_name, shape, device, gen)
-    bm = None
-    if mask_mod is not None:
-        bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=device,
-                               BLOCK_SIZE=shape.block)
+    q, k, v, score_mod, bm = make_case(shape, mod_name, dtype, seed, device)
     out, lse = run_decode(q, k, v, score_mod, bm, num_splits=num_splits,
                           opts=KernelOptions.from_any(opts))
     assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"{mod_name}/{shape.name}/{dtype}")
