@@ -127,7 +127,7 @@ ANCHOR_VARIANTS = [
     "softcap_causal(softcap=30)",
 ]
 ANCHOR_PROVIDERS = ["flexlab", "torch_flex", "torch_flex_flash", "flash_attn", "sdpa_cudnn",
-                    "sdpa_flash"]
+                    "sdpa_flash", "flexlab_paged"]
 _ANCHOR_DECODE = {
     "variants": ["noop", "alibi", "sliding_window(window_size=1024)"],
     "shapes": [[8, 1, 8192], [8, 1, 65536]], "heads": [[32, 8]], "head_dim": [128],
@@ -153,9 +153,12 @@ PRESETS: dict[str, dict] = {
     "anchors": _anchors([128]),
     # The same with D=64 as well (about twice as long).
     "anchors-d64": _anchors([64]),
+    # The decode rows of the anchors grid alone (contiguous and paged caches).
+    "decode": {"providers": ANCHOR_PROVIDERS, "settings": _anchors([128])["settings"],
+               "groups": [_ANCHOR_DECODE]},
     # CPU-sized: flexlab under Triton's interpreter against SDPA math, for CI (< 2 minutes).
     "tiny": {
-        "providers": ["flexlab", "sdpa_math"],
+        "providers": ["flexlab", "flexlab_paged", "sdpa_math"],
         "settings": {"cpu_reps": 2, "ref_slices": 0},
         "groups": [
             # GQA (4 query heads on 2 KV heads) in both dtypes.
@@ -176,6 +179,8 @@ PRESET_HELP = {
     "anchors": "ANCHORS.md grid: 7 variants × (B=4,S=4096),(B=1,S=16384), H=16, D=128, bf16, "
                "fwd and fwd_bwd, plus decode (B=8, Hq=32, Hkv=8, KV 8192/65536)",
     "anchors-d64": "the anchors grid at head dim 64",
+    "decode": "the decode rows of the anchors grid: query length 1, B=8, Hq=32, Hkv=8, D=128, KV "
+              "8192/65536, contiguous and paged caches",
     "tiny": "CPU-sized grid for CI: flexlab (interpreter) vs SDPA math, fp32 and bf16, with GQA",
 }
 

@@ -45,6 +45,8 @@ class Prepared:
 
 class Provider:
     name = "provider"
+    #: The passes this provider measures (None: all); other cases get no rows from it.
+    passes: tuple[str, ...] | None = None
     description = ""
 
     def available(self, device: torch.device) -> tuple[bool, str]:
@@ -102,6 +104,62 @@ class FlexlabProvider(Provider):
         return Prepared(call, _block_mask_bytes(bm), "flexcore BlockMask" if bm is not None else "")
 
 
+class FlexlabPagedProvider(Provider):
+    """flexcore decoding over a paged KV cache (:class:`flexcore.PagedAttention`), pages scattered.
+
+    Each rotated input set's K/V are written into their own physical cache of ``block_size``-token
+    pages, reserved in four interleaved rounds so that every sequence's pages are spread over the
+    cache; the call reads the physical cache through the converted BlockMask. Compare its time with
+    ``flexlab`` on the same case (the contiguous cache).
+    """
+
+    name = "flexlab_paged"
+    description = "flexcore decoding over a paged KV cache (page size = BLOCK_SIZE, pages scattered)"
+    passes = ("decode",)
+
+    def available(self, device):
+        return FlexlabProvider().available(device)
+
+    def prepare(self, ctx):
+        from flexcore import create_block_mask, flex_attention, noop_mask
+        from flexcore.paged import PagedAttention
+
+        c = ctx.case
+        if c.pass_ != "decode":
+            raise Unsupported("the paged cache is measured on decode cases only")
+        page = ctx.settings.block_size
+        pages_per_seq = -(-c.kv_len // page)
+        n_pages = c.batch * pages_per_seq
+        paged = PagedAttention(n_pages, page, c.batch, device=ctx.device)
+        for rnd in range(1, 5):
+            for b in range(c.batch):
+                paged.reserve(b, min(c.kv_len, -(-c.kv_len * rnd // 4)))
+        batch_idx = torch.arange(c.batch, device=ctx.device)
+        positions = torch.arange(c.kv_len, device=ctx.device).expand(c.batch, c.kv_len)
+        caches = {}
+        for x in ctx.inputs:
+            k_cache = torch.zeros(1, c.kv_heads, n_pages * page, c.head_dim, device=ctx.device, dtype=ctx.dtype)
+            v_cache = torch.zeros(1, c.kv_heads, n_pages * page, c.v_head_dim, device=ctx.device,
+                                  dtype=ctx.dtype)
+            paged.assign(batch_idx, positions, x.k.detach(), x.v.detach(), k_cache, v_cache)
+            caches[id(x.k)] = (k_cache, v_cache)
+        logical = ctx.flex_block_mask()
+        if logical is None:
+            logical = create_block_mask(noop_mask, None, None, c.q_len, c.kv_len, device=ctx.device,
+                                        BLOCK_SIZE=page)
+        physical = paged.convert_logical_block_mask(logical, batch_idx=batch_idx)
+        score_mod = paged.get_score_mod(ctx.mods.score_mod)
+        gqa = c.gqa
+
+        def call(q, k, v):
+            k_cache, v_cache = caches[id(k)]
+            return flex_attention(q, k_cache, v_cache, score_mod=score_mod, block_mask=physical,
+                                  enable_gqa=gqa)
+
+        held = _block_mask_bytes(physical) + sum(_tensor_bytes(*kv) for kv in caches.values())
+        return Prepared(call, held, f"{n_pages} pages of {page} tokens, reserved in 4 interleaved rounds")
+
+
 # ---- torch flex_attention (compiled) ----------------------------------------------------------
 
 
@@ -155,13 +213,31 @@ class TorchFlexProvider(Provider):
                                    c.q_len, c.kv_len, device=ctx.device,
                                    BLOCK_SIZE=ctx.settings.block_size)
         compiled = _compiled_flex()
-        score_mod, gqa, opts = ctx.mods.score_mod, c.gqa, self.kernel_options
+        score_mod, gqa = ctx.mods.score_mod, c.gqa
+        # torch's default tiles can exceed shared memory for a mod with many live values (its
+        # compile then fails with "out of resource"); retry as a user would, with the smaller
+        # kernel_options below, and say so in the rows' note.
+        fallbacks = [dict(self.kernel_options or {}, **extra)
+                     for extra in ({}, {"num_stages": 2}, {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2})]
+        prepared = Prepared(None, _block_mask_bytes(bm), "torch BlockMask" if bm is not None else "")
 
         def call(q, k, v):
-            return compiled(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
-                            kernel_options=opts)
+            while True:
+                opts = fallbacks[0] or None
+                try:
+                    return compiled(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
+                                    kernel_options=opts)
+                except Exception as exc:
+                    text = str(exc).lower()
+                    if ("out of resource" not in text and "hardware limit" not in text) or len(fallbacks) == 1:
+                        raise
+                    fallbacks.pop(0)
+                    prepared.note = "; ".join(filter(None, [
+                        prepared.note.split("; kernel_options")[0],
+                        f"kernel_options={fallbacks[0]} (torch's default tiles ran out of shared memory)"]))
 
-        return Prepared(call, _block_mask_bytes(bm), "torch BlockMask" if bm is not None else "")
+        prepared.call = call
+        return prepared
 
 
 class TorchFlexFlashProvider(TorchFlexProvider):
@@ -410,7 +486,7 @@ class FlashAttn4Provider(FlashAttnProvider):
 # ---- registry ---------------------------------------------------------------------------------
 
 PROVIDERS: dict[str, Provider] = {p.name: p for p in (
-    FlexlabProvider(), TorchFlexProvider(), TorchFlexFlashProvider(), SDPAMath(), SDPAEfficient(),
+    FlexlabProvider(), FlexlabPagedProvider(), TorchFlexProvider(), TorchFlexFlashProvider(), SDPAMath(), SDPAEfficient(),
     SDPAFlash(), SDPACudnn(), FlashAttnProvider(), FlashAttn4Provider())}
 
 

@@ -146,16 +146,33 @@ def _cell_text(cell: Cell | None) -> str:
 
 
 def summary_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the summary table: TFLOP/s (median ms) per source × provider."""
+    """Header and rows of the summary table: TFLOP/s (median ms) per source × provider, then
+    flexlab's speed-up over each other timed provider (their median time ÷ flexlab's)."""
     multi = len(sources) > 1
     columns = [(s.label, p) for s in sources for p in providers
                if any((s.label, k, p) in cells for k in keys)]
     header = ["variant", "shape", "dtype", "pass"] + [f"{p} [{s}]" if multi else p for s, p in columns]
+    # flexlab's speed-up over each other provider: their median time over flexlab's (> 1: faster).
+    ratios = [(s, p) for s, p in columns if p != RATIO_PROVIDER and (s, RATIO_PROVIDER) in columns
+              and any(_time(cells.get((s, k, p))) for k in keys)]
+    header += [f"{RATIO_PROVIDER} ÷ {p}" + (f" [{s}]" if multi else "") for s, p in ratios]
     rows = []
     for key in keys:
-        rows.append([key[0], _shape_text(key), key[2], key[1]]
-                    + [_cell_text(cells.get((s, key, p))) for s, p in columns])
+        row = [key[0], _shape_text(key), key[2], key[1]]
+        row += [_cell_text(cells.get((s, key, p))) for s, p in columns]
+        for s, p in ratios:
+            mine, theirs = _time(cells.get((s, key, RATIO_PROVIDER))), _time(cells.get((s, key, p)))
+            row.append(f"{theirs / mine:.2f}×" if mine and theirs else "")
+        rows.append(row)
     return header, rows
+
+
+#: The provider whose speed-ups the summary table lists.
+RATIO_PROVIDER = "flexlab"
+
+
+def _time(cell: Cell | None):
+    return cell.metrics.get("time_ms") if cell is not None and cell.status == "ok" else None
 
 
 def error_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[str]]]:

@@ -313,6 +313,9 @@ class CaseRunner:
 
     def _run_provider(self, name: str):
         ctx, c = self.ctx, self.case
+        provider = prov.PROVIDERS.get(name)
+        if provider is not None and provider.passes is not None and c.pass_ not in provider.passes:
+            return
         ok, why = self.availability.get(name, (False, "unknown provider"))
         if not ok:
             self.row(name, "status", None, status="skipped", note=why)
@@ -328,7 +331,6 @@ class CaseRunner:
         except Exception as exc:
             self._error(name, "prepare", exc)
             return
-        note = prepared.note
         step = self._step(prepared)
         try:
             compile_s = time_first_call(lambda: step(0), self.device)
@@ -339,6 +341,7 @@ class CaseRunner:
         except Exception as exc:
             self._error(name, "first call", exc)
             return
+        note = prepared.note  # after the first call, which may have changed how the case runs
         self.row(name, "setup_s", prov_setup, "s", note=note)
         self.row(name, "compile_s", compile_s, "s", note=note)
         memory = []

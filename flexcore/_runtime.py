@@ -27,3 +27,12 @@ def prepare_triton() -> None:
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def resolve_device(device) -> torch.device:
+    """``device`` (or the default device when None) with the current CUDA index filled in, so that
+    "cuda" compares equal to the "cuda:0" that tensors report."""
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -1,8 +1,10 @@
 """flex_attention: torch.nn.attention.flex_attention's API on flexlab's own Triton kernels."""
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import weakref
 
 import torch
 from torch import Tensor
@@ -39,12 +41,45 @@ def _full_block_mask(L: int, S: int, device: torch.device):
     return create_block_mask(noop_mask, None, None, L, S, device=device)
 
 
+_kv_blocks_cache: collections.OrderedDict = collections.OrderedDict()
+
+
 def _kv_blocks(block_mask, B, Hq):
+    """The BlockMask's key-block tables viewed as (B, Hq, ...), remembered for the last few masks
+    (a decoding loop calls with the same mask at every step; the views share its storage)."""
     from flexcore.kernels.forward import BlockTensors
 
-    return BlockTensors.expanded(block_mask.kv_num_blocks, block_mask.kv_indices,
-                                 block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-                                 block_mask.BLOCK_SIZE, B, Hq)
+    key = (id(block_mask), B, Hq)
+    hit = _kv_blocks_cache.get(key)
+    if hit is not None and hit[0]() is block_mask:
+        return hit[1]
+    blocks = BlockTensors.expanded(block_mask.kv_num_blocks, block_mask.kv_indices,
+                                   block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+                                   block_mask.BLOCK_SIZE, B, Hq)
+    try:
+        ref = weakref.ref(block_mask)
+    except TypeError:  # not weak-referenceable: do not remember it
+        return blocks
+    # Entries hold the mask weakly and leave with it, so the cache never keeps tables alive.
+    _kv_blocks_cache[key] = (ref, blocks)
+    weakref.finalize(block_mask, _kv_blocks_cache.pop, key, None)
+    while len(_kv_blocks_cache) > 16:
+        _kv_blocks_cache.popitem(last=False)
+    return blocks
+
+
+def _run_kernels(query, key, value, score_lowered, mask_lowered, blocks, scale, opts):
+    """(out, lse, row_stats) of the forward or the decode kernel; row_stats is None from decode."""
+    from flexcore.kernels.decode import decode, use_decode_kernel
+    from flexcore.kernels.forward import forward
+
+    if query.dtype != torch.float64 and use_decode_kernel(query.shape[2], opts):
+        out, lse = decode(query, key, value, score_lowered, mask_lowered, blocks, scale, opts)
+        return out, lse, None
+    B = query.shape[0]
+    # A shared (batch 1) cache is read through stride-0 views.
+    return forward(query, key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1),
+                   score_lowered, mask_lowered, blocks, scale, opts)
 
 
 class _FlexAttention(torch.autograd.Function):
@@ -54,18 +89,11 @@ class _FlexAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, score_lowered, mask_lowered, blocks, scale, opts,
                 block_mask, score_mod, *captured):
-        from flexcore.kernels.decode import decode, use_decode_kernel
-        from flexcore.kernels.forward import forward, row_stats_from_lse
-
-        B = query.shape[0]
-        if query.dtype != torch.float64 and use_decode_kernel(query.shape[2], opts):
-            out, lse = decode(query, key, value, score_lowered, mask_lowered, blocks, scale, opts)
-            row_stats = row_stats_from_lse(lse)
-        else:
-            # A shared (batch 1) cache is read through stride-0 views.
-            out, lse, row_stats = forward(query, key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1),
-                                          score_lowered, mask_lowered, blocks, scale, opts)
-        ctx.save_for_backward(query, key, value, out, row_stats)
+        out, lse, row_stats = _run_kernels(query, key, value, score_lowered, mask_lowered, blocks,
+                                           scale, opts)
+        # The decode kernel keeps only lse: the backward derives the row statistics from it.
+        ctx.save_for_backward(query, key, value, out, lse if row_stats is None else row_stats)
+        ctx.stats_from_lse = row_stats is None
         ctx.bwd = (score_lowered, mask_lowered, blocks, scale, opts, block_mask, score_mod)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -73,9 +101,12 @@ class _FlexAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         from flexcore.kernels.backward import backward, q_block_tensors
+        from flexcore.kernels.forward import row_stats_from_lse
         from flexcore.lowering.vjp import lower_score_mod_backward
 
         query, key, value, out, row_stats = ctx.saved_tensors
+        if ctx.stats_from_lse:
+            row_stats = row_stats_from_lse(row_stats)
         score_lowered, mask_lowered, blocks, scale, opts, block_mask, score_mod = ctx.bwd
         B, Hq = query.shape[:2]
         dq, dk, dv, captured_grads = backward(
@@ -129,6 +160,10 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
     score_lowered = lower_score_mod(score_mod, score_dtype)
     mask_lowered = lower_mask_mod(block_mask.mask_mod)
     blocks = _kv_blocks(block_mask, B, Hq)
-    out, lse = _FlexAttention.apply(query, key, value, score_lowered, mask_lowered, blocks, scale, opts,
-                                    block_mask, score_mod, *score_lowered.captured)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                    or any(t.requires_grad for t in score_lowered.captured)):
+        out, lse = _FlexAttention.apply(query, key, value, score_lowered, mask_lowered, blocks, scale,
+                                        opts, block_mask, score_mod, *score_lowered.captured)
+    else:  # inference (decoding steps above all): no autograd node, no saved tensors
+        out, lse, _ = _run_kernels(query, key, value, score_lowered, mask_lowered, blocks, scale, opts)
     return (out, lse) if return_lse else out

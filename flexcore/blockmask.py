@@ -25,7 +25,7 @@ from typing import Iterator, NamedTuple
 import torch
 from torch import Tensor
 
-from flexcore._runtime import default_device, prepare_triton
+from flexcore._runtime import prepare_triton, resolve_device
 from flexcore._types import MaskMod, ScoreMod
 from flexcore.errors import (ControlFlowError, FlexError, InputError, ModError, ModReturnError,
                              ModSignatureError)
@@ -879,7 +879,7 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
     H = _positive_int(H, "H", allow_none=True) or 1
     Q_LEN, KV_LEN = _positive_int(Q_LEN, "Q_LEN"), _positive_int(KV_LEN, "KV_LEN")
     block_size = _block_size_pair(BLOCK_SIZE)
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     block_map = None
     if device.type == "cuda":
         block_map = _classify_blocks_on_gpu(mask_mod, B, H, Q_LEN, KV_LEN, block_size, device)
@@ -925,7 +925,7 @@ def create_mask(mod_fn: MaskMod | ScoreMod, B: int | None, H: int | None, Q_LEN:
     B = _positive_int(B, "B", allow_none=True) or 1
     H = _positive_int(H, "H", allow_none=True) or 1
     Q_LEN, KV_LEN = _positive_int(Q_LEN, "Q_LEN"), _positive_int(KV_LEN, "KV_LEN")
-    device = torch.device(device) if device is not None else default_device()
+    device = resolve_device(device)
     out = torch.empty(B, H, Q_LEN, KV_LEN, dtype=torch.bool, device=device)
     with torch.no_grad():
         for rows in _row_chunks(Q_LEN, B * H * KV_LEN, _CHUNK_ELEMENTS):

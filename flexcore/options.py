@@ -56,7 +56,7 @@ class KernelOptions:
     def from_any(cls, options: "KernelOptions | Mapping[str, Any] | None") -> "KernelOptions":
         """Accept None, a KernelOptions, or a dict of the same field names."""
         if options is None:
-            return cls()
+            return _DEFAULT if cls is KernelOptions else cls()
         if isinstance(options, cls):
             return options
         if not isinstance(options, Mapping):
@@ -67,3 +67,6 @@ class KernelOptions:
         if unknown:
             raise InputError(f"unknown kernel_options {unknown}; valid keys: {valid}")
         return cls(**options)
+
+
+_DEFAULT = KernelOptions()

@@ -39,7 +39,12 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, row0: int, score_mod, mask_mod
     kv_idx = torch.arange(S, device=device, dtype=torch.int32).view(1, 1, 1, -1)
     shape = (B, Hq, Lc, S)
 
-    scores = (q.to(work_dtype) @ k.to(work_dtype).transpose(-2, -1)) * scale
+    # GQA without repeating K/V: the G query heads of a KV head are folded into the rows of one
+    # product, (B, Hkv, G * Lc, D) @ (B, Hkv, D, S).
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    qg = q.to(work_dtype).reshape(B, Hkv, G * Lc, q.shape[-1])
+    scores = (qg @ k.to(work_dtype).transpose(-2, -1)).view(shape) * scale
     if score_mod is not None:
         result = _call_mod(score_mod, (scores, b, h, q_idx, kv_idx), "score")
         if not isinstance(result, Tensor) or not result.is_floating_point():
@@ -76,7 +81,8 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, row0: int, score_mod, mask_mod
     has_keys = row_sum > 0
     safe_sum = torch.where(has_keys, row_sum, torch.ones_like(row_sum))
     # As torch's eager math: normalised probabilities, cast to the output dtype, then @ V.
-    out = (p / safe_sum).to(out_dtype) @ v.to(out_dtype)
+    probs = (p / safe_sum).to(out_dtype).reshape(B, Hkv, G * Lc, S)
+    out = (probs @ v.to(out_dtype)).view(B, Hq, Lc, v.shape[-1])
     lse = torch.where(has_keys, row_max + torch.log(safe_sum),
                       torch.full_like(row_sum, -math.inf)).squeeze(-1)
     return out, lse.to(lse_dtype)
@@ -136,9 +142,6 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
         out_dtype, lse_dtype = query.dtype, torch.float32
     if key.shape[0] != B:
         key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)
-    if Hq != Hkv:
-        key = key.repeat_interleave(Hq // Hkv, dim=1)
-        value = value.repeat_interleave(Hq // Hkv, dim=1)
 
     def chunk(q_rows: Tensor, row0: int, k: Tensor, v: Tensor):
         return _attend_rows(q_rows, k, v, row0, score_mod, mask_mod, block_map,

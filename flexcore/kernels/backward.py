@@ -21,6 +21,7 @@ import torch
 from flexcore._runtime import use_interpreter
 from flexcore.kernels.codegen import HEADER, fill_template, load_module, read_template
 from flexcore.kernels.forward import BlockTensors, _check_tile, fit_tile, pad_head_dim
+from flexcore.kernels.launch import launch
 from flexcore.options import KernelOptions
 
 _LOG2E = 1.4426950408889634
@@ -67,47 +68,9 @@ def q_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, 2-byte dtypes. dK/dV programs own
 # BLOCK_N keys and step over BLOCK_M queries; dQ programs own BLOCK_M queries and step over BLOCK_N
 # keys. Measured on an H200 (bf16, B=4, H=16, S=4096, D=128): about 345 TFLOP/s for the backward
-# alone with a causal mask. A mod with many live values can exceed shared memory: see _launch.
+# alone with a causal mask. A mod with many live values can exceed shared memory: see flexcore.kernels.launch.
 _DKDV_CONFIGS = {64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 1)}
 _DQ_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (64, 32, 4, 1)}
-
-_fallback_cache: dict = {}
-
-
-def _smaller_configs(bm: int, bn: int, meta: dict):
-    """Configs to try in order: halve the larger tile down to 64, then fewer stages, then halve to 16
-    (halving keeps tiles dividing the mask blocks)."""
-    yield bm, bn, meta
-    while max(bm, bn) > 64:
-        bm, bn = (bm, bn // 2) if bn >= bm else (bm // 2, bn)
-        yield bm, bn, meta
-    while meta.get("num_stages", 1) > 1:
-        meta = dict(meta, num_stages=meta["num_stages"] - 1)
-        yield bm, bn, meta
-    while max(bm, bn) > 16:
-        bm, bn = (bm, bn // 2) if bn >= bm else (bm // 2, bn)
-        yield bm, bn, meta
-
-
-def _launch(kernel, grid, args, bm: int, bn: int, meta: dict, kwargs: dict) -> None:
-    """Launch; on the GPU a config that runs out of shared memory is replaced by the next of
-    :func:`_smaller_configs`, and the choice is remembered for this kernel and constexprs."""
-    key = (id(kernel), bm, bn, tuple(sorted(meta.items())),
-           tuple(sorted((k, str(v)) for k, v in kwargs.items())))
-    bm, bn, meta = _fallback_cache.get(key, (bm, bn, meta))
-    error = None
-    for bm, bn, meta in _smaller_configs(bm, bn, meta):
-        try:
-            kernel[grid(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, **meta, **kwargs)
-        except Exception as e:  # noqa: BLE001 - only triton's OutOfResources is retried
-            if type(e).__name__ != "OutOfResources":
-                raise
-            error = e
-            continue
-        _fallback_cache[key] = (bm, bn, meta)
-        return
-    raise error
-
 
 def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int, sparse_kv: int):
     """((BLOCK_M, BLOCK_N, meta) for dK/dV, (BLOCK_M, BLOCK_N, meta) for dQ)."""
@@ -166,6 +129,7 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     itemsize = q.element_size()
     (bm1, bn1, meta1), (bm2, bn2, meta2) = _tiles(
         opts, max(head_dim_pad, head_dim_v_pad), itemsize, sparse_q, sparse_kv)
+    pinned = bool(opts.BLOCK_M or opts.BLOCK_N or opts.num_warps or opts.num_stages)
     upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
     common = dict(HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
@@ -205,25 +169,26 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
 
     qn = q_blocks.full_num_blocks if q_blocks.full_num_blocks is not None else q_blocks.num_blocks
     qi = q_blocks.full_indices if q_blocks.full_indices is not None else q_blocks.indices
-    _launch(module.flex_bwd_dkdv_kernel, lambda bm, bn: (math.ceil(S / bn), B * Hkv), (
+    launch(module.flex_bwd_dkdv_kernel, lambda bm, bn: (math.ceil(S / bn), B * Hkv), (
         q, k, v, grad_out, dk, dv, row_stats, delta,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
         q_blocks.num_blocks, q_blocks.indices, qn, qi,
         *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3],
         *qn.stride(), *qi.stride()[:3],
         B * Hq * L, L, S, Hq, Hkv, scale, scale * _LOG2E, *caps, *grad_args),
-        bm1, bn1, meta1, dict(GQA_GROUP=Hq // Hkv, WRITE_CAPTURED_GRADS=bool(grad_buffers), **common))
+        bm1, bn1, meta1, dict(GQA_GROUP=Hq // Hkv, WRITE_CAPTURED_GRADS=bool(grad_buffers), **common),
+        pinned=pinned)
 
     kn = kv_blocks.full_num_blocks if kv_blocks.full_num_blocks is not None else kv_blocks.num_blocks
     ki = kv_blocks.full_indices if kv_blocks.full_indices is not None else kv_blocks.indices
-    _launch(module.flex_bwd_dq_kernel, lambda bm, bn: (math.ceil(L / bm), B * Hq), (
+    launch(module.flex_bwd_dq_kernel, lambda bm, bn: (math.ceil(L / bm), B * Hq), (
         q, k, v, grad_out, dq, row_stats, delta,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
         kv_blocks.num_blocks, kv_blocks.indices, kn, ki,
         *kv_blocks.num_blocks.stride(), *kv_blocks.indices.stride()[:3],
         *kn.stride(), *ki.stride()[:3],
         B * Hq * L, L, S, Hq, scale, scale * _LOG2E, *caps, *grad_args),
-        bm2, bn2, meta2, dict(GQA_GROUP=Hq // Hkv, **common))
+        bm2, bn2, meta2, dict(GQA_GROUP=Hq // Hkv, **common), pinned=pinned)
 
     captured_grads = []
     for i, t in enumerate(captured):

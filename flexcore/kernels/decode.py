@@ -11,6 +11,7 @@ from flexcore._runtime import use_interpreter
 from flexcore.errors import InputError
 from flexcore.kernels.codegen import load_kernel_module
 from flexcore.kernels.forward import BlockTensors, fit_tile, pad_head_dim
+from flexcore.kernels.launch import Tuned
 from flexcore.options import KernelOptions
 
 _LOG2E = 1.4426950408889634
@@ -106,6 +107,22 @@ def choose_num_splits(tiles: int, max_splits: int, sms: int) -> int:
 
 # (BLOCK_N, num_warps, num_stages) candidates on the GPU; the first is the default without autotune.
 # The kernel streams K/V once, so the candidates differ in bytes in flight per SM (tile x stages).
+#: The last split of each tile combines the partial results (one launch per call), instead of a
+#: second reduction kernel: a decoding step's host time is most of its cost at short caches.
+FUSE_SPLIT_REDUCTION = True
+_counters: dict = {}
+
+
+def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per tile, kept per device and stream: the kernel leaves them at
+    zero again, so no call clears them."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = _counters[key] = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
 _GPU_CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (64, 2, 3), (32, 4, 5)]
 _autotuners: dict = {}
 # Generated modules by the mods' keys: skips rebuilding and hashing the source on every step.
@@ -120,8 +137,20 @@ def _module(score_lowered, mask_lowered):
     return module
 
 
+_launchers: dict = {}
+
+
 def _launcher(module, sparse_kv: int, head_dim_pad: int, itemsize: int, opts: KernelOptions):
-    """Return (kernel, fixed_meta); fixed_meta holds BLOCK_N and launch knobs when not autotuning."""
+    """Return (kernel, fixed_meta); fixed_meta holds BLOCK_N and launch knobs when not autotuning.
+    Remembered per module and arguments: decoding calls it at every step."""
+    key = (module.__name__, sparse_kv, head_dim_pad, itemsize, opts, use_interpreter())
+    found = _launchers.get(key)
+    if found is None:
+        found = _launchers[key] = _make_launcher(module, sparse_kv, head_dim_pad, itemsize, opts)
+    return found
+
+
+def _make_launcher(module, sparse_kv: int, head_dim_pad: int, itemsize: int, opts: KernelOptions):
     kernel = module.flex_decode_kernel
     if opts.BLOCK_N:
         if sparse_kv % opts.BLOCK_N:
@@ -145,9 +174,9 @@ def _launcher(module, sparse_kv: int, head_dim_pad: int, itemsize: int, opts: Ke
     tuner = _autotuners.get(key)
     if tuner is None:
         # The best tile depends on how long each split runs: keyed on a power-of-two size class.
-        tuner = triton.autotune(
+        tuner = Tuned(triton.autotune(
             configs=[triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n, w, s in configs],
-            key=["TUNE_BUCKET", "NUM_SPLITS", "Q_LEN"])(kernel)
+            key=["TUNE_BUCKET", "NUM_SPLITS", "Q_LEN"])(kernel))
         _autotuners[key] = tuner
     return tuner, {}
 
@@ -190,35 +219,47 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
     out = torch.empty((B, Hq, L, Dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device)
     split = plan.num_splits > 1
+    tiles = B * Hkv * (Hq // Hkv // plan.heads_per_tile) * plan.q_chunks
+    counters = lse  # unused unless the splits combine themselves
     if split:
-        part_out = torch.empty((B, Hq, L, plan.num_splits, Dv), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((B, Hq, L, plan.num_splits), dtype=torch.float32, device=q.device)
+        # PART_OUT (B, Hq, L, splits, Dv) and PART_LSE (B, Hq, L, splits) in one allocation.
+        n = B * Hq * L * plan.num_splits
+        part = torch.empty(n * (Dv + 1), dtype=torch.float32, device=q.device)
+        part_out, part_lse = part[:n * Dv], part[n * Dv:]
+        if FUSE_SPLIT_REDUCTION:
+            counters = _split_counters(q.device, tiles)
     else:
         part_out, part_lse = out, lse  # unused: the kernel writes the result itself
     full_n = blocks.full_num_blocks if blocks.full_num_blocks is not None else blocks.num_blocks
     full_i = blocks.full_indices if blocks.full_indices is not None else blocks.indices
     upcast = use_interpreter() and q.dtype != torch.float32
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
-    tiles = B * Hkv * (Hq // Hkv // plan.heads_per_tile) * plan.q_chunks
 
-    kernel[(plan.num_splits, tiles)](
-        q, k, v, out, lse, part_out, part_lse,
+    tune_bucket = math.ceil(S / sparse_kv).bit_length()
+    args = (
+        q, k, v, out, lse, part_out, part_lse, counters,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         blocks.num_blocks, blocks.indices, full_n, full_i,
         *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
         *full_n.stride(), *full_i.stride()[:3],
-        L, S, Hq, Hkv, plan.q_chunks, plan.num_splits, math.ceil(S / sparse_kv).bit_length(),
+        L, S, Hq, Hkv, plan.q_chunks, plan.num_splits, tune_bucket,
         scale, scale * _LOG2E,
         *score_lowered.kernel_args(), *mask_lowered.kernel_args(),
+    )
+    constexprs = dict(
         GQA_GROUP=Hq // Hkv, HEADS_PER_TILE=plan.heads_per_tile, Q_PER_TILE=plan.q_per_tile,
         HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
         BLOCK_M=plan.block_m, SPARSE_Q_BLOCK=sparse_q, SPARSE_KV_BLOCK=sparse_kv,
         HAS_FULL_BLOCKS=blocks.full_num_blocks is not None,
-        EVEN_KV=S % sparse_kv == 0, SPLIT_OUTPUT=split,
+        EVEN_KV=S % sparse_kv == 0, SPLIT_OUTPUT=split, FUSED_REDUCE=split and FUSE_SPLIT_REDUCTION,
         SCORE_IS_TRIVIAL=score_lowered.is_trivial, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
-        **meta,
     )
-    if split:
+    grid = (plan.num_splits, tiles)
+    if isinstance(kernel, Tuned):
+        kernel.launch(grid, args, constexprs, key=(tune_bucket, plan.num_splits, L))
+    else:
+        kernel[grid](*args, **constexprs, **meta)
+    if split and not FUSE_SPLIT_REDUCTION:
         module.flex_decode_reduce_kernel[(B * Hq * L,)](
             part_out, part_lse, out, lse, *out.stride(), Hq, L, plan.num_splits,
             HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,

@@ -9,6 +9,7 @@ import torch
 from flexcore._runtime import use_interpreter
 from flexcore.errors import InputError
 from flexcore.kernels.codegen import load_kernel_module
+from flexcore.kernels.launch import Tuned, launch
 from flexcore.options import KernelOptions
 
 _LOG2E = 1.4426950408889634
@@ -115,7 +116,7 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
         if not configs:
             m, n = fit_tile(128, sparse_q, "query"), fit_tile(64, sparse_kv, "key")
             configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=2)]
-        tuner = triton.autotune(configs=configs, key=[])(kernel) if len(configs) > 1 else None
+        tuner = Tuned(triton.autotune(configs=configs, key=[])(kernel)) if len(configs) > 1 else None
         _autotuners[key] = tuner or configs[0]
         tuner = _autotuners[key]
     if isinstance(tuner, triton.Config):
@@ -151,10 +152,7 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
 
-    def grid(meta_):
-        return (math.ceil(L / meta_["BLOCK_M"]), B * Hq)
-
-    kernel[grid](
+    args = (
         q, k, v, out, lse, row_stats,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         blocks.num_blocks, blocks.indices, full_n, full_i,
@@ -162,6 +160,8 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         *full_n.stride(), *full_i.stride()[:3],
         B * Hq * L, L, S, Hq, scale, scale * _LOG2E,
         *score_lowered.kernel_args(), *mask_lowered.kernel_args(),
+    )
+    constexprs = dict(
         GQA_GROUP=Hq // Hkv,
         HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
         SPARSE_Q_BLOCK=sparse_q, SPARSE_KV_BLOCK=sparse_kv,
@@ -171,6 +171,13 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         # The trivial path folds the scale into the row max, which needs scale > 0.
         SCORE_IS_TRIVIAL=score_lowered.is_trivial and scale > 0, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
         ACC_DTYPE=tl.float64 if fp64 else tl.float32,
-        **meta,
     )
+    if meta:  # one fixed configuration: fall back to smaller tiles if it does not fit the GPU
+        meta = dict(meta)
+        bm, bn = meta.pop("BLOCK_M"), meta.pop("BLOCK_N")
+        pinned = bool(opts.BLOCK_M or opts.BLOCK_N or opts.num_warps or opts.num_stages)
+        launch(kernel, lambda bm_, bn_: (math.ceil(L / bm_), B * Hq), args, bm, bn, meta, constexprs,
+               pinned=pinned)
+    else:  # the autotuner skips configurations that do not fit
+        kernel.launch(lambda meta_: (math.ceil(L / meta_["BLOCK_M"]), B * Hq), args, constexprs)
     return out, lse, row_stats

@@ -6,11 +6,12 @@ from dataclasses import dataclass
 
 import torch
 
-from flexcore.lowering.cache import LRUCache, guard_key
+from flexcore.lowering.cache import FastGuard, LRUCache, guard_key
 from flexcore.lowering.codegen import generate
 from flexcore.lowering.trace import mod_name, trace_mod
 
 _cache = LRUCache(maxsize=512)
+_fast = FastGuard(maxsize=512)
 #: Number of traces run in this process (tests count re-traces with it).
 trace_count = 0
 
@@ -78,11 +79,17 @@ def _lower(fn, kind: str, score_dtype: torch.dtype = torch.float32) -> LoweredMo
             _trivial_mods[kind] = _make(kind, _TRIVIAL[kind], (), (), True,
                                         "identity" if kind == "score" else "noop")
         return _trivial_mods[kind]  # dtype-agnostic: it returns its input
+    # The same function object with nothing it reads rebound: no key to rebuild (every step of a
+    # decoding loop, every layer of a model).
+    lowered = _fast.get(fn, (kind, score_dtype))
+    if lowered is not None:
+        return lowered
     guard = guard_key(fn)
     if guard is not None:
         cache_key = (kind, guard[0], score_dtype)
         hit = _cache.get(cache_key)
         if hit is not None:
+            _fast.put(fn, (kind, score_dtype), guard, hit[0])
             return hit[0]
     trace_count += 1
     gm = trace_mod(fn, kind, score_dtype)
@@ -90,6 +97,7 @@ def _lower(fn, kind: str, score_dtype: torch.dtype = torch.float32) -> LoweredMo
     lowered = _make(kind, source, cap_params, captured, trivial, mod_name(fn))
     if guard is not None:
         _cache.put(cache_key, (lowered, guard[1]))
+        _fast.put(fn, (kind, score_dtype), guard, lowered)
     return lowered
 
 
@@ -125,3 +133,4 @@ def lower_mask_mod(fn) -> LoweredMod:
 def clear_cache() -> None:
     """Forget every cached trace (tests use it to count traces)."""
     _cache.clear()
+    _fast.clear()

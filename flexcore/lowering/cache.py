@@ -12,6 +12,7 @@ import builtins
 import functools
 import threading
 import types
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -33,16 +34,32 @@ def _names(code: types.CodeType) -> tuple[str, ...]:
     return names
 
 
+_EMPTY, _MISSING = object(), object()
+
+
 class _Guard:
     def __init__(self):
         self.pins: list = []  # objects keyed by id stay alive as long as the cache entry
         self.seen: set[int] = set()
+        # Where each name, cell and attribute the key read came from, with the object found there:
+        # while every one still holds the same object (and tensors the same metadata), the key is
+        # the same and need not be rebuilt. None when the key read a mutable container (list,
+        # dict, an object's attributes), whose contents can change in place.
+        self.watch: list | None = []
+
+    def _unwatchable(self) -> None:
+        self.watch = None
+
+    def _read(self, entry) -> None:
+        if self.watch is not None:
+            self.watch.append(entry)
 
     def key(self, obj, depth: int = 0):
         if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
             return (type(obj).__name__, obj)
         if isinstance(obj, torch.Tensor):
             self.pins.append(obj)
+            self._read((3, obj, obj.dtype, obj.shape, obj.device))
             return ("tensor", id(obj), obj.dtype, tuple(obj.shape), obj.device)
         if isinstance(obj, (torch.dtype, torch.device)):
             return ("torch", obj)
@@ -56,13 +73,18 @@ class _Guard:
             return ("module", obj.__name__, id(obj))
         if isinstance(obj, (tuple, list)):
             self.seen.add(id(obj))
+            if isinstance(obj, list):
+                self._unwatchable()
             return (type(obj).__name__, tuple(self.key(x, depth + 1) for x in obj))
         if isinstance(obj, dict):
             self.seen.add(id(obj))
+            self._unwatchable()
             return ("dict", tuple((self.key(k, depth + 1), self.key(v, depth + 1))
                                   for k, v in obj.items()))
         if isinstance(obj, functools.partial):
             self.seen.add(id(obj))
+            if obj.keywords:
+                self._unwatchable()
             return ("partial", self.key(obj.func, depth + 1), self.key(obj.args, depth + 1),
                     self.key(obj.keywords, depth + 1))
         if isinstance(obj, types.MethodType):
@@ -72,26 +94,36 @@ class _Guard:
         if callable(obj) and hasattr(obj, "__dict__") and not isinstance(obj, type):
             # A callable object: its attributes may hold the tensors it reads.
             self.seen.add(id(obj))
+            self._unwatchable()
             return ("object", id(obj), self.key(type(obj).__call__, depth + 1),
                     self.key(vars(obj), depth + 1))
         return ("id", id(obj))
 
     def _function(self, fn: types.FunctionType, depth: int):
         code = fn.__code__
+        self._read((2, fn, "__code__", code))
+        self._read((2, fn, "__defaults__", fn.__defaults__))
+        self._read((2, fn, "__kwdefaults__", fn.__kwdefaults__))
         closure = ()
         if fn.__closure__:
             cells = []
             for cell in fn.__closure__:
                 try:
-                    cells.append(self.key(cell.cell_contents, depth + 1))
+                    contents = cell.cell_contents
                 except ValueError:  # an empty cell
+                    self._read((0, cell, _EMPTY))
                     cells.append(("empty",))
+                    continue
+                self._read((0, cell, contents))
+                cells.append(self.key(contents, depth + 1))
             closure = tuple(cells)
         glob = fn.__globals__
         referenced = []
         for name in _names(code):
-            if name in glob:
-                referenced.append((name, self.key(glob[name], depth + 1)))
+            value = glob.get(name, _MISSING)
+            self._read((1, glob, name, value))
+            if value is not _MISSING:
+                referenced.append((name, self.key(value, depth + 1)))
             elif not hasattr(builtins, name):
                 referenced.append((name, ("missing",)))
         defaults = self.key(fn.__defaults__, depth + 1) if fn.__defaults__ else None
@@ -99,15 +131,73 @@ class _Guard:
         return ("function", code, closure, tuple(referenced), defaults, kwdefaults)
 
 
-def guard_key(fn) -> tuple[object, list] | None:
-    """(hashable key, objects to keep alive) for ``fn``, or None when no key can be built."""
+def guard_key(fn) -> tuple[object, list, list | None] | None:
+    """(hashable key, objects to keep alive, watch list) for ``fn``, or None when no key can be
+    built. While :func:`unchanged` holds for the watch list (when not None), the key is the same."""
     guard = _Guard()
     try:
         key = guard.key(fn)
         hash(key)
     except Exception:  # noqa: BLE001 - an odd object only disables caching
         return None
-    return key, guard.pins
+    return key, guard.pins, guard.watch
+
+
+def unchanged(watch: list) -> bool:
+    """Whether every name, cell and attribute a key read still holds the same object (and every
+    tensor the same dtype, shape and device): a check by identity, much cheaper than the key."""
+    for entry in watch:
+        kind = entry[0]
+        if kind == 0:
+            try:
+                current = entry[1].cell_contents
+            except ValueError:
+                current = _EMPTY
+            if current is not entry[2]:
+                return False
+        elif kind == 1:
+            if entry[1].get(entry[2], _MISSING) is not entry[3]:
+                return False
+        elif kind == 2:
+            if getattr(entry[1], entry[2], _MISSING) is not entry[3]:
+                return False
+        else:
+            t = entry[1]
+            if t.dtype != entry[2] or t.shape != entry[3] or t.device != entry[4]:
+                return False
+    return True
+
+
+class FastGuard:
+    """Results per function object, reused while :func:`unchanged` holds for their watch lists.
+
+    ``get(fn, extra)`` returns the remembered value or None; ``put(fn, extra, guard, value)``
+    remembers it when the guard has a watch list. Entries hold the function weakly.
+    """
+
+    def __init__(self, maxsize: int = 256):
+        self.maxsize = maxsize
+        self._data: OrderedDict = OrderedDict()
+
+    def get(self, fn, extra):
+        entry = self._data.get((id(fn), extra))
+        if entry is None or entry[0]() is not fn or not unchanged(entry[1]):
+            return None
+        return entry[2]
+
+    def put(self, fn, extra, guard, value) -> None:
+        if guard is None or guard[2] is None:
+            return
+        try:
+            ref = weakref.ref(fn)
+        except TypeError:
+            return
+        self._data[(id(fn), extra)] = (ref, guard[2], value)
+        while len(self._data) > self.maxsize:
+            self._data.popitem(last=False)
+
+    def clear(self) -> None:
+        self._data.clear()
 
 
 class LRUCache:

