@@ -9,6 +9,7 @@ value; anything else by identity.
 from __future__ import annotations
 
 import builtins
+import dis
 import functools
 import threading
 import types
@@ -22,10 +23,13 @@ _code_names: dict[types.CodeType, tuple[str, ...]] = {}
 
 
 def _names(code: types.CodeType) -> tuple[str, ...]:
-    """Global names a code object (and the code nested in it) may look up."""
+    """Global names a code object (and the code nested in it) may look up: the arguments of its
+    LOAD_GLOBAL / LOAD_NAME instructions (attribute names such as ``where`` in ``torch.where``
+    are not global lookups)."""
     names = _code_names.get(code)
     if names is None:
-        found = list(code.co_names)
+        found = [ins.argval for ins in dis.get_instructions(code)
+                 if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(ins.argval, str)]
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
                 found.extend(_names(const))
@@ -143,29 +147,41 @@ def guard_key(fn) -> tuple[object, list, list | None] | None:
     return key, guard.pins, guard.watch
 
 
-def unchanged(watch: list) -> bool:
+def unchanged(watch) -> bool:
     """Whether every name, cell and attribute a key read still holds the same object (and every
-    tensor the same dtype, shape and device): a check by identity, much cheaper than the key."""
-    for entry in watch:
-        kind = entry[0]
-        if kind == 0:
-            try:
-                current = entry[1].cell_contents
-            except ValueError:
-                current = _EMPTY
-            if current is not entry[2]:
+    tensor the same dtype, shape and device): a check by identity, much cheaper than the key.
+    ``watch`` is a guard's watch list or its :func:`compact` form."""
+    cells, globs, attrs, tensors = watch if isinstance(watch, tuple) else compact(watch)
+    for cell, obj in cells:
+        try:
+            if cell.cell_contents is not obj:
                 return False
-        elif kind == 1:
-            if entry[1].get(entry[2], _MISSING) is not entry[3]:
+        except ValueError:
+            if obj is not _EMPTY:
                 return False
-        elif kind == 2:
-            if getattr(entry[1], entry[2], _MISSING) is not entry[3]:
-                return False
-        else:
-            t = entry[1]
-            if t.dtype != entry[2] or t.shape != entry[3] or t.device != entry[4]:
-                return False
+    for namespace, name, obj in globs:
+        if namespace.get(name, _MISSING) is not obj:
+            return False
+    for owner, attr, obj in attrs:
+        if getattr(owner, attr, _MISSING) is not obj:
+            return False
+    for t, dtype, shape, device in tensors:
+        if t.dtype != dtype or t.shape != shape or t.device != device:
+            return False
     return True
+
+
+def compact(watch: list) -> tuple[list, list, list, list]:
+    """A watch list split by kind (cells, globals, attributes, tensors), without repeats."""
+    kinds: tuple[list, list, list, list] = ([], [], [], [])
+    seen = set()
+    for entry in watch:
+        ident = (entry[0],) + tuple(id(x) for x in entry[1:])
+        if ident in seen:
+            continue
+        seen.add(ident)
+        kinds[entry[0]].append(entry[1:])
+    return kinds
 
 
 class FastGuard:
@@ -192,7 +208,7 @@ class FastGuard:
             ref = weakref.ref(fn)
         except TypeError:
             return
-        self._data[(id(fn), extra)] = (ref, guard[2], value)
+        self._data[(id(fn), extra)] = (ref, compact(guard[2]), value)
         while len(self._data) > self.maxsize:
             self._data.popitem(last=False)
 
