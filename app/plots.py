@@ -85,6 +85,8 @@ def bars(rows: Sequence[dict], x: str, y: str, title: str, color: str | None = N
                  title=title)
     if text:
         fig.update_traces(texttemplate="%{y:.3g}", textposition="outside", cliponaxis=False)
+    if log_y:  # decades only: plotly's default labels 2 and 5 between decades read as values
+        fig.update_yaxes(dtick=1, tickformat="~g")
     fig.update_layout(height=380, margin=dict(l=10, r=10, t=40, b=10))
     return fig
 

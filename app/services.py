@@ -545,8 +545,8 @@ def _provider_grad_calls(code: str, shape: dict, dtype: str, notes: list[str]) -
     learnable = dict(named) if named is not None else {}
     out = {}
     for name, provider in PROVIDERS.items():
-        if name == "flexlab":
-            continue
+        if name == "flexlab" or (provider.passes is not None and "fwd_bwd" not in provider.passes):
+            continue  # flexlab itself, and providers that measure other passes only
         ok, why = provider.available(device)
         if not ok:
             notes.append(f"{name}: not available here ({why})")

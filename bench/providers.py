@@ -118,7 +118,8 @@ class FlexlabPagedProvider(Provider):
     passes = ("decode",)
 
     def available(self, device):
-        return FlexlabProvider().available(device)
+        ok, why = FlexlabProvider().available(device)
+        return ok, f"{why}; decode cases only, over a paged KV cache" if ok else why
 
     def prepare(self, ctx):
         from flexcore import create_block_mask, flex_attention, noop_mask
