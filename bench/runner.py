@@ -317,10 +317,9 @@ class CaseRunner:
         if provider is not None and provider.passes is not None and c.pass_ not in provider.passes:
             return
         ok, why = self.availability.get(name, (False, "unknown provider"))
-        if not ok:
+        if not ok or provider is None:
             self.row(name, "status", None, status="skipped", note=why)
             return
-        provider = prov.get(name)
         try:
             start = time.perf_counter()
             prepared = provider.prepare(ctx)

@@ -52,6 +52,11 @@ class KernelOptions:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InputError(f"kernel_options[{name!r}] = {value!r}: expected a positive int")
 
+    @property
+    def pins_tiles(self) -> bool:
+        """Whether the user chose a tile configuration (tiles, warps or stages) themselves."""
+        return bool(self.BLOCK_M or self.BLOCK_N or self.num_warps or self.num_stages)
+
     @classmethod
     def from_any(cls, options: "KernelOptions | Mapping[str, Any] | None") -> "KernelOptions":
         """Accept None, a KernelOptions, or a dict of the same field names."""

@@ -129,7 +129,7 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     itemsize = q.element_size()
     (bm1, bn1, meta1), (bm2, bn2, meta2) = _tiles(
         opts, max(head_dim_pad, head_dim_v_pad), itemsize, sparse_q, sparse_kv)
-    pinned = bool(opts.BLOCK_M or opts.BLOCK_N or opts.num_warps or opts.num_stages)
+    pinned = opts.pins_tiles
     upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
     common = dict(HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,

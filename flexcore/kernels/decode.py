@@ -107,9 +107,8 @@ def choose_num_splits(tiles: int, max_splits: int, sms: int) -> int:
 
 # (BLOCK_N, num_warps, num_stages) candidates on the GPU; the first is the default without autotune.
 # The kernel streams K/V once, so the candidates differ in bytes in flight per SM (tile x stages).
-#: The last split of each tile combines the partial results (one launch per call), instead of a
-#: second reduction kernel: a decoding step's host time is most of its cost at short caches.
-FUSE_SPLIT_REDUCTION = True
+# With several splits, the last split of each tile to finish combines the partial results (one
+# launch per call: a decoding step's host time is most of its cost at short caches).
 _counters: dict = {}
 
 
@@ -220,14 +219,13 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
     lse = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device)
     split = plan.num_splits > 1
     tiles = B * Hkv * (Hq // Hkv // plan.heads_per_tile) * plan.q_chunks
-    counters = lse  # unused unless the splits combine themselves
+    counters = lse  # unused without splits
     if split:
         # PART_OUT (B, Hq, L, splits, Dv) and PART_LSE (B, Hq, L, splits) in one allocation.
         n = B * Hq * L * plan.num_splits
         part = torch.empty(n * (Dv + 1), dtype=torch.float32, device=q.device)
         part_out, part_lse = part[:n * Dv], part[n * Dv:]
-        if FUSE_SPLIT_REDUCTION:
-            counters = _split_counters(q.device, tiles)
+        counters = _split_counters(q.device, tiles)
     else:
         part_out, part_lse = out, lse  # unused: the kernel writes the result itself
     full_n = blocks.full_num_blocks if blocks.full_num_blocks is not None else blocks.num_blocks
@@ -251,7 +249,7 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
         HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
         BLOCK_M=plan.block_m, SPARSE_Q_BLOCK=sparse_q, SPARSE_KV_BLOCK=sparse_kv,
         HAS_FULL_BLOCKS=blocks.full_num_blocks is not None,
-        EVEN_KV=S % sparse_kv == 0, SPLIT_OUTPUT=split, FUSED_REDUCE=split and FUSE_SPLIT_REDUCTION,
+        EVEN_KV=S % sparse_kv == 0, SPLIT_OUTPUT=split,
         SCORE_IS_TRIVIAL=score_lowered.is_trivial, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
     )
     grid = (plan.num_splits, tiles)
@@ -259,11 +257,4 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
         kernel.launch(grid, args, constexprs, key=(tune_bucket, plan.num_splits, L))
     else:
         kernel[grid](*args, **constexprs, **meta)
-    if split and not FUSE_SPLIT_REDUCTION:
-        module.flex_decode_reduce_kernel[(B * Hq * L,)](
-            part_out, part_lse, out, lse, *out.stride(), Hq, L, plan.num_splits,
-            HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
-            SPLITS_PAD=max(2, 1 << (plan.num_splits - 1).bit_length()),
-            num_warps=4 if Dv * plan.num_splits > 2048 else 2,
-        )
     return out, lse

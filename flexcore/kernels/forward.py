@@ -175,9 +175,8 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     if meta:  # one fixed configuration: fall back to smaller tiles if it does not fit the GPU
         meta = dict(meta)
         bm, bn = meta.pop("BLOCK_M"), meta.pop("BLOCK_N")
-        pinned = bool(opts.BLOCK_M or opts.BLOCK_N or opts.num_warps or opts.num_stages)
         launch(kernel, lambda bm_, bn_: (math.ceil(L / bm_), B * Hq), args, bm, bn, meta, constexprs,
-               pinned=pinned)
+               pinned=opts.pins_tiles)
     else:  # the autotuner skips configurations that do not fit
         kernel.launch(lambda meta_: (math.ceil(L / meta_["BLOCK_M"]), B * Hq), args, constexprs)
     return out, lse, row_stats

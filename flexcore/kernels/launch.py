@@ -87,7 +87,3 @@ class Tuned:
             self.chosen[full_key] = self.tuner.best_config
         else:
             self.tuner.fn[grid](*args, **kwargs, **config.all_kwargs())
-
-    @property
-    def best_config(self):
-        return self.tuner.best_config

@@ -45,25 +45,33 @@ class _Guard:
     def __init__(self):
         self.pins: list = []  # objects keyed by id stay alive as long as the cache entry
         self.seen: set[int] = set()
-        # Where each name, cell and attribute the key read came from, with the object found there:
-        # while every one still holds the same object (and tensors the same metadata), the key is
-        # the same and need not be rebuilt. None when the key read a mutable container (list,
-        # dict, an object's attributes), whose contents can change in place.
-        self.watch: list | None = []
+        # Where each name, cell and attribute the key read came from, with the object found there,
+        # by kind: (cells, globals, attributes, tensors). While every one still holds the same
+        # object (and tensors the same metadata), the key is the same and need not be rebuilt.
+        # None when the key read a mutable container (list, dict, an object's attributes), whose
+        # contents can change in place.
+        self.watch: tuple[list, list, list, list] | None = ([], [], [], [])
+        self._watched: set = set()
 
     def _unwatchable(self) -> None:
         self.watch = None
 
-    def _read(self, entry) -> None:
-        if self.watch is not None:
-            self.watch.append(entry)
+    def _read(self, kind: int, *entry) -> None:
+        """Record one read (kind 0: cell, 1: global, 2: attribute, 3: tensor), once."""
+        if self.watch is None:
+            return
+        # A cell or tensor by identity; a global or attribute by its owner and name.
+        ident = (kind, id(entry[0]), entry[1] if kind in (1, 2) else None)
+        if ident not in self._watched:
+            self._watched.add(ident)
+            self.watch[kind].append(entry)
 
     def key(self, obj, depth: int = 0):
         if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
             return (type(obj).__name__, obj)
         if isinstance(obj, torch.Tensor):
             self.pins.append(obj)
-            self._read((3, obj, obj.dtype, obj.shape, obj.device))
+            self._read(3, obj, obj.dtype, obj.shape, obj.device)
             return ("tensor", id(obj), obj.dtype, tuple(obj.shape), obj.device)
         if isinstance(obj, (torch.dtype, torch.device)):
             return ("torch", obj)
@@ -105,9 +113,9 @@ class _Guard:
 
     def _function(self, fn: types.FunctionType, depth: int):
         code = fn.__code__
-        self._read((2, fn, "__code__", code))
-        self._read((2, fn, "__defaults__", fn.__defaults__))
-        self._read((2, fn, "__kwdefaults__", fn.__kwdefaults__))
+        self._read(2, fn, "__code__", code)
+        self._read(2, fn, "__defaults__", fn.__defaults__)
+        self._read(2, fn, "__kwdefaults__", fn.__kwdefaults__)
         closure = ()
         if fn.__closure__:
             cells = []
@@ -115,17 +123,17 @@ class _Guard:
                 try:
                     contents = cell.cell_contents
                 except ValueError:  # an empty cell
-                    self._read((0, cell, _EMPTY))
+                    self._read(0, cell, _EMPTY)
                     cells.append(("empty",))
                     continue
-                self._read((0, cell, contents))
+                self._read(0, cell, contents)
                 cells.append(self.key(contents, depth + 1))
             closure = tuple(cells)
         glob = fn.__globals__
         referenced = []
         for name in _names(code):
             value = glob.get(name, _MISSING)
-            self._read((1, glob, name, value))
+            self._read(1, glob, name, value)
             if value is not _MISSING:
                 referenced.append((name, self.key(value, depth + 1)))
             elif not hasattr(builtins, name):
@@ -135,9 +143,9 @@ class _Guard:
         return ("function", code, closure, tuple(referenced), defaults, kwdefaults)
 
 
-def guard_key(fn) -> tuple[object, list, list | None] | None:
-    """(hashable key, objects to keep alive, watch list) for ``fn``, or None when no key can be
-    built. While :func:`unchanged` holds for the watch list (when not None), the key is the same."""
+def guard_key(fn) -> tuple[object, list, tuple | None] | None:
+    """(hashable key, objects to keep alive, watch lists) for ``fn``, or None when no key can be
+    built. While :func:`unchanged` holds for the watch lists (when not None), the key is the same."""
     guard = _Guard()
     try:
         key = guard.key(fn)
@@ -147,11 +155,11 @@ def guard_key(fn) -> tuple[object, list, list | None] | None:
     return key, guard.pins, guard.watch
 
 
-def unchanged(watch) -> bool:
+def unchanged(watch: tuple[list, list, list, list]) -> bool:
     """Whether every name, cell and attribute a key read still holds the same object (and every
     tensor the same dtype, shape and device): a check by identity, much cheaper than the key.
-    ``watch`` is a guard's watch list or its :func:`compact` form."""
-    cells, globs, attrs, tensors = watch if isinstance(watch, tuple) else compact(watch)
+    ``watch`` is the third item of :func:`guard_key`'s result."""
+    cells, globs, attrs, tensors = watch
     for cell, obj in cells:
         try:
             if cell.cell_contents is not obj:
@@ -169,19 +177,6 @@ def unchanged(watch) -> bool:
         if t.dtype != dtype or t.shape != shape or t.device != device:
             return False
     return True
-
-
-def compact(watch: list) -> tuple[list, list, list, list]:
-    """A watch list split by kind (cells, globals, attributes, tensors), without repeats."""
-    kinds: tuple[list, list, list, list] = ([], [], [], [])
-    seen = set()
-    for entry in watch:
-        ident = (entry[0],) + tuple(id(x) for x in entry[1:])
-        if ident in seen:
-            continue
-        seen.add(ident)
-        kinds[entry[0]].append(entry[1:])
-    return kinds
 
 
 class FastGuard:
@@ -208,7 +203,7 @@ class FastGuard:
             ref = weakref.ref(fn)
         except TypeError:
             return
-        self._data[(id(fn), extra)] = (ref, compact(guard[2]), value)
+        self._data[(id(fn), extra)] = (ref, guard[2], value)
         while len(self._data) > self.maxsize:
             self._data.popitem(last=False)
 
