@@ -2,8 +2,9 @@
 
 TEMPLATE = '''\
 # A score_mod and/or a mask_mod in plain PyTorch.
-# Tensors they read are captured. B, H (query heads),
-# HKV, Q_LEN, KV_LEN, D and device come from the controls.
+# Tensors they read are captured (created on `device`
+# unless you name another). B, H (query heads), HKV,
+# Q_LEN, KV_LEN, D and device come from the controls.
 import torch
 
 WINDOW = 48

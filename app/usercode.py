@@ -5,8 +5,13 @@ tracebacks and flexcore's ``ModError`` point at the user's own line.
 """
 from __future__ import annotations
 
+import collections
+import hashlib
+import itertools
 import linecache
+import sys
 import traceback
+import types
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
@@ -155,11 +160,32 @@ def problem_from_exception(exc: BaseException, code: str, stage: str) -> CodePro
     return CodeProblem(kind, title, message, lineno, source_line(code, lineno))
 
 
-def shape_namespace(shape: dict) -> dict[str, Any]:
+_MODULES: collections.OrderedDict = collections.OrderedDict()
+_MODULES_KEPT = 16
+_RUNS = itertools.count()
+
+
+def _code_module(code: str) -> types.ModuleType:
+    """A module for one run of the code's globals, registered in ``sys.modules``: torch.compile (the
+    torch flex provider) imports the module that a function's ``__module__`` names. Only the last
+    few runs stay registered (their functions keep their globals either way)."""
+    name = f"flexlab_playground_{next(_RUNS)}_{hashlib.sha1(code.encode()).hexdigest()[:8]}"
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    _MODULES[name] = module
+    _MODULES.move_to_end(name)
+    while len(_MODULES) > _MODULES_KEPT:
+        old, _ = _MODULES.popitem(last=False)
+        sys.modules.pop(old, None)
+    return module
+
+
+def shape_namespace(shape: dict, code: str = "") -> dict[str, Any]:
     """The names the code may read: torch, and the shape controls' values."""
     import torch
 
-    ns: dict[str, Any] = {"__name__": "playground", "__builtins__": __builtins__, "torch": torch}
+    ns: dict[str, Any] = _code_module(code).__dict__
+    ns.update({"__builtins__": __builtins__, "torch": torch})
     ns.update({"B": shape["B"], "H": shape["Hq"], "HKV": shape["Hkv"], "Q_LEN": shape["Q_LEN"],
                "KV_LEN": shape["KV_LEN"], "D": shape["D"],
                "device": torch.device(shape.get("device", "cpu"))})
@@ -171,9 +197,12 @@ def run_code(code: str, shape: dict) -> UserMods:
     import torch
 
     compiled = compile_code(code)
-    ns = shape_namespace(shape)
+    ns = shape_namespace(shape, code)
     try:
-        exec(compiled, ns)
+        # Tensors the code creates land on the workbench's device unless it names another one:
+        # the same code runs in CPU mode and on a GPU.
+        with ns["device"]:
+            exec(compiled, ns)
     except SystemExit as e:
         lineno = user_lineno(e.__traceback__)
         raise UserCodeError(CodeProblem(

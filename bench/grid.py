@@ -98,6 +98,14 @@ class Settings:
     block_size: int = 128  #: BlockMask block size (FLOP density counts these blocks)
     seed: int = 0
     max_minutes: float = 0.0  #: stop starting new cases after this long (0: no limit)
+    #: passes timed by replaying CUDA graphs (comma-separated; "" for none). Decoding steps are
+    #: short enough that eager timing measures the host's launch work as much as the GPU's.
+    cuda_graphs: str = "decode"
+
+    def graph_passes(self) -> set[str]:
+        """The passes in :attr:`cuda_graphs` ("all" means every pass)."""
+        names = {p.strip() for p in self.cuda_graphs.split(",") if p.strip()}
+        return set(PASS_FACTORS) if "all" in names else names - {"none"}
 
 
 @dataclass
@@ -363,4 +371,8 @@ def build_grid(config: dict, name: str = "grid", *, variants=None, passes=None, 
     unknown = set(merged) - fields
     if unknown:
         raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(fields)}")
+    graph_passes = {p.strip() for p in str(merged.get("cuda_graphs", "decode")).split(",") if p.strip()}
+    if graph_passes - set(PASS_FACTORS) - {"all", "none"}:
+        raise ConfigError(f"cuda_graphs={merged['cuda_graphs']!r}: expected comma-separated passes from "
+                          f"{sorted(PASS_FACTORS)}, 'all' or 'none'")
     return Grid(name=name, cases=cases, providers=provider_list, settings=Settings(**merged))

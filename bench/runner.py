@@ -29,7 +29,7 @@ from bench import env as env_mod
 from bench import providers as prov
 from bench.context import CaseContext, Slice, make_context
 from bench.grid import Case, Grid
-from bench.timing import peak_memory, time_call, time_first_call
+from bench.timing import GraphCaptureError, peak_memory, time_call, time_first_call
 
 SCHEMA_VERSION = "flexlab-bench/1"
 
@@ -353,12 +353,29 @@ class CaseRunner:
                 peak += prepared.held_bytes
             self.row(name, "peak_mem_bytes", peak, "bytes", note=method)
             s = self.grid.settings
-            timing = time_call(step, len(ctx.inputs), self.device, warmup_ms=s.warmup_ms, rep_ms=s.rep_ms,
-                               min_reps=s.min_reps, max_reps=s.max_reps, cpu_reps=s.cpu_reps)
+
+            def timed(cuda_graph: bool):
+                return time_call(step, len(ctx.inputs), self.device, warmup_ms=s.warmup_ms,
+                                 rep_ms=s.rep_ms, min_reps=s.min_reps, max_reps=s.max_reps,
+                                 cpu_reps=s.cpu_reps, cuda_graph=cuda_graph)
+
+            graph_note, eager = "", None
+            if self.device.type == "cuda" and c.pass_ in s.graph_passes():
+                try:
+                    timing = timed(True)
+                    eager = timed(False)  # beside it: the same call launched from Python each time
+                except GraphCaptureError as exc:
+                    graph_note = f"; CUDA graph capture failed ({exc}), timed eagerly"
+                    timing = timed(False)
+            else:
+                timing = timed(False)
         except Exception as exc:
             self._error(name, "timing", exc)
             return
-        tnote = f"{timing.method}, {len(ctx.inputs)} rotated input set(s)"
+        tnote = f"{timing.method}, {len(ctx.inputs)} rotated input set(s){graph_note}"
+        if eager is not None:
+            self.row(name, "time_ms_eager", eager.median_ms, "ms",
+                     note=f"{eager.method}: launched from Python at every call (host time included)")
         self.row(name, "time_ms", timing.median_ms, "ms", note=tnote)
         self.row(name, "time_ms_p20", timing.p20_ms, "ms", note=tnote)
         self.row(name, "time_ms_p80", timing.p80_ms, "ms", note=tnote)

@@ -19,7 +19,7 @@ class Timing:
     p20_ms: float
     p80_ms: float
     reps: int
-    method: str  # "cuda_events" or "wall_clock"
+    method: str  # "cuda_events", "cuda_graph" or "wall_clock"
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -43,11 +43,15 @@ def synchronize(device: torch.device) -> None:
 
 
 def time_call(fn: Callable[[int], object], n_sets: int, device: torch.device, *, warmup_ms: float = 25,
-              rep_ms: float = 100, min_reps: int = 10, max_reps: int = 200, cpu_reps: int = 5) -> Timing:
+              rep_ms: float = 100, min_reps: int = 10, max_reps: int = 200, cpu_reps: int = 5,
+              cuda_graph: bool = False) -> Timing:
     """Time ``fn(i)`` (i picks one of ``n_sets`` input sets, rotated so that caches don't flatter).
 
     On CUDA: warm-up for ``warmup_ms``, then ``clamp(rep_ms / estimate, min_reps, max_reps)``
     repetitions, each between CUDA events and after flushing L2 (as triton.testing.do_bench does).
+    With ``cuda_graph`` each input set's call is captured once in a CUDA graph and the replays are
+    timed: the GPU time of the call without the host's time to launch it (what a decoding loop
+    under CUDA graphs pays). Raises :class:`GraphCaptureError` when the call cannot be captured.
     On the CPU: ``cpu_reps`` wall-clock repetitions, without warm-up (the runner's first call
     already compiled, and the interpreter has no caches worth warming).
     """
@@ -58,6 +62,10 @@ def time_call(fn: Callable[[int], object], n_sets: int, device: torch.device, *,
             fn((i + 1) % n_sets)
             times.append((time.perf_counter() - start) * 1e3)
         return summarize(times, "wall_clock")
+    method = "cuda_events"
+    if cuda_graph:
+        graphs = capture_graphs(fn, n_sets, device)
+        fn, method = (lambda i: graphs[i % n_sets].replay()), "cuda_graph"
 
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20) or (50 << 20)
     flush = torch.empty(max(2 * l2, 64 << 20) // 4, dtype=torch.int32, device=device)
@@ -82,7 +90,38 @@ def time_call(fn: Callable[[int], object], n_sets: int, device: torch.device, *,
         ends[i].record()
     synchronize(device)
     del flush
-    return summarize([s.elapsed_time(e) for s, e in zip(starts, ends)], "cuda_events")
+    return summarize([s.elapsed_time(e) for s, e in zip(starts, ends)], method)
+
+
+class GraphCaptureError(RuntimeError):
+    """A call could not be captured in a CUDA graph (the message says why)."""
+
+
+def capture_graphs(fn: Callable[[int], object], n_sets: int, device: torch.device) -> list:
+    """One CUDA graph per input set of ``fn(i)``, sharing a memory pool.
+
+    The calls run once on a side stream first, as torch requires: compilation, autotuning and the
+    callers' cached buffers happen there, outside the capture.
+    """
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for i in range(n_sets):
+            fn(i)
+    torch.cuda.current_stream(device).wait_stream(side)
+    synchronize(device)
+    pool = torch.cuda.graph_pool_handle()
+    graphs = []
+    try:
+        for i in range(n_sets):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                fn(i)
+            graphs.append(graph)
+    except Exception as exc:  # noqa: BLE001 - any capture failure is reported, then timed eagerly
+        synchronize(device)
+        raise GraphCaptureError(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from exc
+    return graphs
 
 
 def time_first_call(fn: Callable[[], object], device: torch.device) -> float:

@@ -157,7 +157,9 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
         block_mask = _full_block_mask(L, S, query.device)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    score_lowered = lower_score_mod(score_mod, score_dtype)
+    # 16-bit inputs round scores far more coarsely than approximate transcendentals err.
+    score_lowered = lower_score_mod(score_mod, score_dtype,
+                                    fast_math=query.dtype in (torch.float16, torch.bfloat16))
     mask_lowered = lower_mask_mod(block_mask.mask_mod)
     blocks = _kv_blocks(block_mask, B, Hq)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad

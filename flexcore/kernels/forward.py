@@ -85,6 +85,38 @@ def gpu_configs(head_dim_pad: int, itemsize: int) -> list[tuple[int, int, int, i
 
 _autotuners: dict = {}
 
+# Tensor descriptors (TMA) for the K/V tiles: None decides by the GPU and the layout (see
+# use_tma); True/False force them (benchmarks). Warp specialization of the key loop likewise.
+TMA: bool | None = None
+WARP_SPECIALIZE = False
+
+
+def _tma_allocator(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def use_tma(q, k, v, head_dims_padded: bool) -> bool:
+    """Whether the forward kernel reads K and V through tensor descriptors (TMA): on Hopper and
+    later, for 2-byte dtypes whose rows are contiguous and 16-byte aligned, at power-of-two head
+    dims. Sets triton's scratch allocator (device-side descriptors live in global scratch)."""
+    if TMA is not None:
+        wanted = TMA
+    else:
+        wanted = (not use_interpreter() and q.is_cuda and k.element_size() == 2
+                  and torch.cuda.get_device_capability(q.device)[0] >= 9)
+    if not wanted or not head_dims_padded:
+        return False
+    for t in (k, v):
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
+            return False
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        import triton
+
+        triton.set_allocator(_tma_allocator)
+    return True
+
 
 def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: int):
     """Return (kernel, fixed_meta) where fixed_meta holds the tile constexprs when not autotuning."""
@@ -171,6 +203,8 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         # The trivial path folds the scale into the row max, which needs scale > 0.
         SCORE_IS_TRIVIAL=score_lowered.is_trivial and scale > 0, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
         ACC_DTYPE=tl.float64 if fp64 else tl.float32,
+        USE_TMA=use_tma(q, k, v, head_dim_pad == D and head_dim_v_pad == Dv),
+        WARP_SPECIALIZE=WARP_SPECIALIZE and not use_interpreter(),
     )
     if meta:  # one fixed configuration: fall back to smaller tiles if it does not fit the GPU
         meta = dict(meta)

@@ -82,8 +82,13 @@ class Tuned:
         (the dtypes of the tensor arguments are added here, as the autotuner does)."""
         full_key = (key, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
         config = self.chosen.get(full_key)
-        if config is None:
+        if config is None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # Timing configurations inside a CUDA graph capture would break it: run the first one
+            # and tune at the next call outside a capture (warm up before capturing to get the
+            # tuned configuration into the graph).
+            config = self.tuner.configs[0]
+        elif config is None:
             self.tuner[grid](*args, **kwargs)
             self.chosen[full_key] = self.tuner.best_config
-        else:
-            self.tuner.fn[grid](*args, **kwargs, **config.all_kwargs())
+            return
+        self.tuner.fn[grid](*args, **kwargs, **config.all_kwargs())

@@ -72,7 +72,7 @@ _TRIVIAL = {
 _trivial_mods: dict[str, LoweredMod] = {}
 
 
-def _lower(fn, kind: str, score_dtype: torch.dtype = torch.float32) -> LoweredMod:
+def _lower(fn, kind: str, score_dtype: torch.dtype = torch.float32, fast_math: bool = False) -> LoweredMod:
     global trace_count
     if fn is None:
         if kind not in _trivial_mods:
@@ -81,27 +81,28 @@ def _lower(fn, kind: str, score_dtype: torch.dtype = torch.float32) -> LoweredMo
         return _trivial_mods[kind]  # dtype-agnostic: it returns its input
     # The same function object with nothing it reads rebound: no key to rebuild (every step of a
     # decoding loop, every layer of a model).
-    lowered = _fast.get(fn, (kind, score_dtype))
+    variant = (kind, score_dtype, fast_math)
+    lowered = _fast.get(fn, variant)
     if lowered is not None:
         return lowered
     guard = guard_key(fn)
     if guard is not None:
-        cache_key = (kind, guard[0], score_dtype)
+        cache_key = (kind, guard[0], score_dtype, fast_math)
         hit = _cache.get(cache_key)
         if hit is not None:
-            _fast.put(fn, (kind, score_dtype), guard, hit[0])
+            _fast.put(fn, variant, guard, hit[0])
             return hit[0]
     trace_count += 1
     gm = trace_mod(fn, kind, score_dtype)
-    source, cap_params, captured, trivial = generate(gm, kind, mod_name(fn), score_dtype)
+    source, cap_params, captured, trivial = generate(gm, kind, mod_name(fn), score_dtype, fast_math)
     lowered = _make(kind, source, cap_params, captured, trivial, mod_name(fn))
     if guard is not None:
         _cache.put(cache_key, (lowered, guard[1]))
-        _fast.put(fn, (kind, score_dtype), guard, lowered)
+        _fast.put(fn, variant, guard, lowered)
     return lowered
 
 
-def lower_score_mod(fn, score_dtype: torch.dtype = torch.float32) -> LoweredMod:
+def lower_score_mod(fn, score_dtype: torch.dtype = torch.float32, fast_math: bool = False) -> LoweredMod:
     """Lower ``score_mod(score, b, h, q_idx, kv_idx) -> score`` (None: identity).
 
     Example:
@@ -116,8 +117,9 @@ def lower_score_mod(fn, score_dtype: torch.dtype = torch.float32) -> LoweredMod:
         the mod and the offending line.
 
     ``score_dtype`` is the dtype of the score tile: float32, or float64 for float64 inputs.
+    ``fast_math`` (for float16/bfloat16 inputs) lowers tanh to the GPU's approximate instruction.
     """
-    return _lower(fn, "score", score_dtype)
+    return _lower(fn, "score", score_dtype, fast_math)
 
 
 def lower_mask_mod(fn) -> LoweredMod:

@@ -102,8 +102,10 @@ class ModCodegen:
     }
     _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 
-    def __init__(self, gm: GraphModule, kind: str, name: str, score_dtype: torch.dtype = torch.float32):
+    def __init__(self, gm: GraphModule, kind: str, name: str, score_dtype: torch.dtype = torch.float32,
+                 fast_math: bool = False):
         self.gm = gm
+        self.fast_math = fast_math
         self.score_dtype = score_dtype
         self.kind = kind
         self.name = name
@@ -354,6 +356,8 @@ class ModCodegen:
         return handler(node)
 
     def _generic(self, name: str):
+        if name == "tanh" and self.fast_math and self.score_dtype == torch.float32:
+            return lambda node: self._unary_float(node, "fl_tanh_approx({})")
         if name in self._UNARY_FLOAT:
             return lambda node: self._unary_float(node, self._UNARY_FLOAT[name])
         if name in self._COMPARE:
@@ -768,13 +772,17 @@ class ModCodegen:
         return View(base.cap, base.dtype, base.shape, tuple(new_index), node)
 
 
-def generate(gm: GraphModule, kind: str, name: str, score_dtype: torch.dtype = torch.float32):
+def generate(gm: GraphModule, kind: str, name: str, score_dtype: torch.dtype = torch.float32,
+             fast_math: bool = False):
     """Source of the ``@triton.jit`` function for one traced mod.
+
+    ``fast_math`` (float16/bfloat16 inputs) lets transcendental ops use the GPU's approximate
+    instructions where their error is far below the inputs' rounding (tanh).
 
     Returns:
         (source, cap_params, captured, is_trivial)
     """
-    gen = ModCodegen(gm, kind, name, score_dtype)
+    gen = ModCodegen(gm, kind, name, score_dtype, fast_math)
     ret, trivial = gen.run()
     prefix = gen.prefix
     cap_params: list[str] = []

@@ -38,19 +38,6 @@ def mask_mod(b, h, q_idx, kv_idx):
 """
 
 
-@pytest.fixture(autouse=True)
-def _results_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("FLEXLAB_RESULTS_DIR", str(tmp_path / "results"))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _stop_checker():
-    yield
-    from app import sandbox
-
-    sandbox.shutdown()
-
-
 def playground(code: str | None = None, shape: dict | None = None, plain: bool = False) -> AppTest:
     at = AppTest.from_file(ENTRY, default_timeout=240)
     at.session_state["playground_shape"] = dict(shape or TINY)

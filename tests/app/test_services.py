@@ -3,9 +3,10 @@ variant previews and opens in the Playground."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 import pytest
 
-pytest.importorskip("streamlit")  # the GPU machine has no streamlit: these tests skip there
+pytest.importorskip("streamlit")  # skipped where streamlit is not installed
 
 from app import sandbox, services  # noqa: E402
 
@@ -62,3 +63,30 @@ def test_every_gallery_variant_previews_and_opens(name):
     source = services.variant_source(name, v.defaults(), shape)
     result = sandbox.check_code(source, services.code_shape(shape), timeout_s=20)
     assert result["ok"], result
+
+
+def test_code_creates_its_tensors_on_the_workbench_device():
+    # In GPU mode a captured tensor written without device= must land on the GPU; "meta" stands
+    # in for it here. A device the code names is kept.
+    from app.usercode import run_code
+
+    code = ("import torch\nbias = torch.zeros(H)\nhost = torch.zeros(2, device='cpu')\n\n\n"
+            "def score_mod(score, b, h, q_idx, kv_idx):\n    return score + bias[h]\n")
+    shape = {"B": 1, "Hq": 2, "Hkv": 2, "Q_LEN": 8, "KV_LEN": 8, "D": 8, "device": "meta"}
+    mods = run_code(code, shape)
+    assert mods.tensors["bias"].device.type == "meta"
+    assert mods.tensors["host"].device.type == "cpu"
+    assert torch.empty(1).device.type == "cpu"  # the default is restored afterwards
+
+
+def test_code_runs_in_an_importable_module():
+    # torch.compile imports the module a function's __module__ names (the torch flex provider).
+    import importlib
+
+    from app.usercode import run_code
+
+    code = "def mask_mod(b, h, q_idx, kv_idx):\n    return q_idx >= kv_idx\n"
+    shape = {"B": 1, "Hq": 2, "Hkv": 2, "Q_LEN": 8, "KV_LEN": 8, "D": 8}
+    mods = run_code(code, shape)
+    module = importlib.import_module(mods.mask_mod.__module__)
+    assert module.mask_mod is mods.mask_mod and module.Q_LEN == 8

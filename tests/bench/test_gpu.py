@@ -72,6 +72,39 @@ def test_baselines_ran_where_expected(gpu_run):
         assert rows and rows[0]["value"] > 0, variant
 
 
+def test_decode_is_timed_in_cuda_graphs_with_the_eager_time_beside(gpu_run):
+    for provider in ("flexlab", "torch_flex", "sdpa_cudnn"):
+        for variant in ("noop", "alibi"):
+            timed = _get(gpu_run, variant, provider, "time_ms", "decode")
+            if not timed:
+                continue
+            assert timed[0]["note"].startswith("cuda_graph"), (provider, variant, timed[0]["note"])
+            eager = _get(gpu_run, variant, provider, "time_ms_eager", "decode")
+            assert eager and eager[0]["value"] > 0, (provider, variant)
+    assert _get(gpu_run, "noop", "flexlab", "time_ms", "decode")
+    forward = _get(gpu_run, "causal", "flexlab", "time_ms", "fwd")
+    assert forward and forward[0]["note"].startswith("cuda_events")
+
+
+def test_graph_timing_measures_the_gpu_and_reports_capture_failures():
+    from bench.timing import GraphCaptureError, time_call
+
+    dev = torch.device("cuda")
+    x = torch.randn(4096, 4096, device=dev)
+    timing = time_call(lambda i: x @ x, 2, dev, warmup_ms=5, rep_ms=20, cuda_graph=True)
+    assert timing.method == "cuda_graph" and timing.median_ms > 0
+
+    def syncs(i):
+        y = x @ x
+        torch.cuda.synchronize()  # not allowed while capturing
+        return y
+
+    with pytest.raises(GraphCaptureError):
+        time_call(syncs, 2, dev, warmup_ms=5, rep_ms=20, cuda_graph=True)
+    # The device is still usable after the failed capture.
+    assert time_call(syncs, 2, dev, warmup_ms=5, rep_ms=20).method == "cuda_events"
+
+
 def test_learnable_bias_gradient_is_compared(gpu_run):
     rows = _get(gpu_run, "relative_bias(max_distance=64)", "torch_flex", "dtable_correct")
     assert rows and rows[0]["value"] == 1

@@ -58,6 +58,8 @@ def test_toml_and_yaml_configs_give_the_same_grid(tmp_path):
                   "colour": 1}], "providers": ["sdpa_math"]}, "colour"),
     ({"groups": [{"variants": ["causal"], "shapes": [[1, 8]], "heads": [2], "head_dim": [8]}]},
      "providers"),
+    ({"groups": [{"variants": ["causal"], "shapes": [[1, 8]], "heads": [2], "head_dim": [8]}],
+      "providers": ["sdpa_math"], "settings": {"cuda_graphs": "decode,backward"}}, "cuda_graphs"),
 ])
 def test_bad_configs_say_what_is_wrong(config, words):
     with pytest.raises(ConfigError, match=words):
@@ -95,3 +97,13 @@ def test_registry_variant_and_mod_file_resolve(tmp_path):
 def test_grid_to_dict_is_json():
     grid = build_grid(load_config("tiny"), "tiny")
     assert json.loads(json.dumps(grid.to_dict()))["cases"][0]["variant"] == grid.cases[0].variant
+
+
+def test_cuda_graph_passes():
+    base = {"groups": [{"variants": ["causal"], "shapes": [[1, 8]], "heads": [2], "head_dim": [8]}],
+            "providers": ["sdpa_math"]}
+    assert build_grid(base).settings.graph_passes() == {"decode"}  # the default
+    for value, passes in (("all", {"fwd", "fwd_bwd", "decode"}), ("none", set()), ("", set()),
+                          ("fwd, decode", {"fwd", "decode"})):
+        grid = build_grid({**base, "settings": {"cuda_graphs": value}})
+        assert grid.settings.graph_passes() == passes, value

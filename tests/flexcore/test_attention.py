@@ -201,3 +201,36 @@ def test_shared_batch_one_cache():
     out = flex_attention(q, k, v)
     gold = flex_attention_reference(q, k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1))
     assert rel_err(out, gold) < 1e-5
+
+
+@pytest.mark.parametrize("mod_name", ["causal", "alibi", "document"])
+@pytest.mark.parametrize("shape", [CPU_SHAPES[0], CPU_SHAPES[2], CPU_SHAPES[3]], ids=lambda s: s.name)
+def test_tensor_descriptor_path(monkeypatch, shape, mod_name):
+    """The K/V tiles read through tensor descriptors (TMA, chosen on Hopper GPUs) give the same
+    results, ragged key ends included (the descriptor zero-fills rows past KV_LEN)."""
+    import flexcore.kernels.forward as fwd
+
+    monkeypatch.setattr(fwd, "TMA", True)
+    used = []
+    real = fwd.use_tma
+    monkeypatch.setattr(fwd, "use_tma", lambda *a: used.append(real(*a)) or used[-1])
+    check_forward(shape, mod_name, torch.bfloat16, seed=seed_of("tma", mod_name, shape.name))
+    assert used == [True]
+
+
+def test_tensor_descriptors_need_aligned_rows():
+    import flexcore.kernels.forward as fwd
+
+    k = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
+    if fwd.use_interpreter():  # chosen automatically only on Hopper GPUs
+        assert not fwd.use_tma(k, k, k, True)
+    old = fwd.TMA
+    try:
+        fwd.TMA = True
+        assert fwd.use_tma(k, k, k, True)
+        assert not fwd.use_tma(k, k, k, False)  # padded head dims
+        assert not fwd.use_tma(k, k.transpose(2, 3), k, True)  # head dim not contiguous
+        odd = torch.randn(1, 2, 64, 36, dtype=torch.bfloat16)[..., :32]  # 72-byte rows
+        assert not fwd.use_tma(k, odd, odd, True)
+    finally:
+        fwd.TMA = old

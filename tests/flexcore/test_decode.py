@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flexcore import create_block_mask, flex_attention
+from flexcore import BlockMask, create_block_mask, flex_attention
 from flexcore.attention import _kv_blocks
 from flexcore.decoding import offset_mask_mod, offset_score_mod
 from flexcore.errors import InputError
@@ -288,3 +288,53 @@ def test_decode_gpu(shape, mod_name):
 
 # Decoding speed is measured by the benchmark, side by side with SDPA and torch flex in one run:
 # `python -m bench run --config decode` (bench/NOTES.md), not by timed tests.
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_step_replays_in_a_cuda_graph():
+    """A decoding step captured once in a CUDA graph (the way inference loops run) gives the
+    reference result at every replay, with the query and the offset tensor updated in place."""
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(seed_of("graph"))
+    B, Hq, Hkv, S, D = 2, 8, 2, 4096, 128
+    q = torch.randn(B, Hq, 1, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(B, Hkv, S, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(B, Hkv, S, D, device=dev, dtype=torch.bfloat16, generator=gen)
+    slopes = torch.rand(Hq, device=dev, generator=gen)
+    offset = torch.tensor([0, 0], device=dev)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    mask_mod, score_mod = offset_mask_mod(causal, offset), offset_score_mod(alibi, offset)
+    # Every key block is listed as partial (the mask_mod decides), so one BlockMask, at fixed
+    # addresses, serves every offset.
+    n = S // 128
+    bm = BlockMask.from_kv_blocks(torch.full((1, 1, 1), n, dtype=torch.int32, device=dev),
+                                  torch.arange(n, dtype=torch.int32, device=dev).view(1, 1, 1, n),
+                                  mask_mod=mask_mod, seq_lengths=(1, S))
+
+    def step():
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True,
+                              return_lse=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and autotune outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step()
+    for positions in ([100, 3000], [4095, 17], [1, 2048]):
+        offset.copy_(torch.tensor(positions, device=dev))
+        q.copy_(torch.randn(q.shape, device=dev, dtype=q.dtype, generator=gen))
+        graph.replay()
+        ref_mask, ref_score = _shifted_reference_mods(offset.clone(), slopes)
+        ref_bm = create_block_mask(ref_mask, B, None, 1, S, device=dev)
+        assert_matches_reference(q, k, v, ref_score, ref_bm, out.clone(), lse.clone(),
+                                 f"replay at offsets {positions}")

@@ -727,3 +727,33 @@ def test_lowering_does_not_import_kernel_helpers():
                 assert all(a.name != "triton_helpers" for a in node.names), path
             elif isinstance(node, ast.Import):
                 assert all("triton_helpers" not in a.name for a in node.names), path
+
+
+def test_fast_math_lowers_tanh_to_the_approximate_instruction():
+    # 16-bit inputs: softcapping's tanh becomes one MUFU instruction; float32/float64 stay exact.
+    from flexcore.lowering import lower_score_mod
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 30.0 * torch.tanh(score / 30.0)
+
+    fast = lower_score_mod(softcap, torch.float32, fast_math=True)
+    exact = lower_score_mod(softcap, torch.float32)
+    assert "fl_tanh_approx(" in fast.source and "fl_tanh_approx(" not in exact.source
+    assert "fl_tanh(" in exact.source and fast.key != exact.key
+    assert "fl_tanh_approx(" not in lower_score_mod(softcap, torch.float64, fast_math=True).source
+
+
+def test_bf16_softcap_matches_the_reference_through_fast_math():
+    from flexcore import create_block_mask, flex_attention
+    from flexcore.lowering import api
+    from tests.flexcore.compare import assert_matches_reference
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20.0 * torch.tanh(score / 20.0)
+
+    gen = torch.Generator().manual_seed(77)
+    q, k, v = (torch.randn(1, 2, 80, 32, generator=gen).to(torch.bfloat16) * 4 for _ in range(3))
+    bm = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, 80, 80, device="cpu", BLOCK_SIZE=32)
+    out, lse = flex_attention(q, k, v, score_mod=softcap, block_mask=bm, return_lse=True)
+    assert "fl_tanh_approx(" in api._lower(softcap, "score", torch.float32, True).source
+    assert_matches_reference(q, k, v, softcap, bm, out, lse, "bf16 softcap")
