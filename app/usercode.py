@@ -6,7 +6,6 @@ tracebacks and flexcore's ``ModError`` point at the user's own line.
 from __future__ import annotations
 
 import collections
-import hashlib
 import itertools
 import linecache
 import sys
@@ -165,11 +164,11 @@ _MODULES_KEPT = 16
 _RUNS = itertools.count()
 
 
-def _code_module(code: str) -> types.ModuleType:
+def _code_module() -> types.ModuleType:
     """A module for one run of the code's globals, registered in ``sys.modules``: torch.compile (the
     torch flex provider) imports the module that a function's ``__module__`` names. Only the last
     few runs stay registered (their functions keep their globals either way)."""
-    name = f"flexlab_playground_{next(_RUNS)}_{hashlib.sha1(code.encode()).hexdigest()[:8]}"
+    name = f"flexlab_playground_{next(_RUNS)}"
     module = types.ModuleType(name)
     sys.modules[name] = module
     _MODULES[name] = module
@@ -180,11 +179,11 @@ def _code_module(code: str) -> types.ModuleType:
     return module
 
 
-def shape_namespace(shape: dict, code: str = "") -> dict[str, Any]:
+def shape_namespace(shape: dict) -> dict[str, Any]:
     """The names the code may read: torch, and the shape controls' values."""
     import torch
 
-    ns: dict[str, Any] = _code_module(code).__dict__
+    ns: dict[str, Any] = _code_module().__dict__
     ns.update({"__builtins__": __builtins__, "torch": torch})
     ns.update({"B": shape["B"], "H": shape["Hq"], "HKV": shape["Hkv"], "Q_LEN": shape["Q_LEN"],
                "KV_LEN": shape["KV_LEN"], "D": shape["D"],
@@ -197,7 +196,7 @@ def run_code(code: str, shape: dict) -> UserMods:
     import torch
 
     compiled = compile_code(code)
-    ns = shape_namespace(shape, code)
+    ns = shape_namespace(shape)
     try:
         # Tensors the code creates land on the workbench's device unless it names another one:
         # the same code runs in CPU mode and on a GPU.

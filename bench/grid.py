@@ -103,8 +103,12 @@ class Settings:
     cuda_graphs: str = "decode"
 
     def graph_passes(self) -> set[str]:
-        """The passes in :attr:`cuda_graphs` ("all" means every pass)."""
-        names = {p.strip() for p in self.cuda_graphs.split(",") if p.strip()}
+        """The passes in :attr:`cuda_graphs` ("all" means every pass). Raises ConfigError for a
+        name that is not a pass."""
+        names = {p.strip() for p in str(self.cuda_graphs).split(",") if p.strip()}
+        if names - set(PASS_FACTORS) - {"all", "none"}:
+            raise ConfigError(f"cuda_graphs={self.cuda_graphs!r}: expected comma-separated passes from "
+                              f"{sorted(PASS_FACTORS)}, 'all' or 'none'")
         return set(PASS_FACTORS) if "all" in names else names - {"none"}
 
 
@@ -371,8 +375,6 @@ def build_grid(config: dict, name: str = "grid", *, variants=None, passes=None, 
     unknown = set(merged) - fields
     if unknown:
         raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(fields)}")
-    graph_passes = {p.strip() for p in str(merged.get("cuda_graphs", "decode")).split(",") if p.strip()}
-    if graph_passes - set(PASS_FACTORS) - {"all", "none"}:
-        raise ConfigError(f"cuda_graphs={merged['cuda_graphs']!r}: expected comma-separated passes from "
-                          f"{sorted(PASS_FACTORS)}, 'all' or 'none'")
-    return Grid(name=name, cases=cases, providers=provider_list, settings=Settings(**merged))
+    settings_obj = Settings(**merged)
+    settings_obj.graph_passes()  # a bad cuda_graphs value fails here, before anything runs
+    return Grid(name=name, cases=cases, providers=provider_list, settings=settings_obj)

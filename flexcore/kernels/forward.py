@@ -1,6 +1,7 @@
 """Host side of the forward kernel: tile choice, autotuning and the launch."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -86,9 +87,13 @@ def gpu_configs(head_dim_pad: int, itemsize: int) -> list[tuple[int, int, int, i
 _autotuners: dict = {}
 
 # Tensor descriptors (TMA) for the K/V tiles: None decides by the GPU and the layout (see
-# use_tma); True/False force them (benchmarks). Warp specialization of the key loop likewise.
+# use_tma); True/False force them (benchmarks, tests).
 TMA: bool | None = None
-WARP_SPECIALIZE = False
+
+
+@functools.lru_cache(maxsize=8)
+def _capability_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
 
 
 def _tma_allocator(size: int, alignment: int, stream):
@@ -103,7 +108,7 @@ def use_tma(q, k, v, head_dims_padded: bool) -> bool:
         wanted = TMA
     else:
         wanted = (not use_interpreter() and q.is_cuda and k.element_size() == 2
-                  and torch.cuda.get_device_capability(q.device)[0] >= 9)
+                  and _capability_major(q.device.index or 0) >= 9)
     if not wanted or not head_dims_padded:
         return False
     for t in (k, v):
@@ -204,7 +209,6 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         SCORE_IS_TRIVIAL=score_lowered.is_trivial and scale > 0, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
         ACC_DTYPE=tl.float64 if fp64 else tl.float32,
         USE_TMA=use_tma(q, k, v, head_dim_pad == D and head_dim_v_pad == Dv),
-        WARP_SPECIALIZE=WARP_SPECIALIZE and not use_interpreter(),
     )
     if meta:  # one fixed configuration: fall back to smaller tiles if it does not fit the GPU
         meta = dict(meta)

@@ -100,6 +100,8 @@ class ModCodegen:
         "sin": "tl.sin({})", "cos": "tl.cos({})", "erf": "tl.erf({})", "expm1": "fl_expm1({})",
         "log1p": "fl_log1p({})", "reciprocal": "(1.0 / {})",
     }
+    # With fast_math (float16/bfloat16 inputs, float32 scores) these replace _UNARY_FLOAT's entries.
+    _UNARY_FAST = {"tanh": "fl_tanh_approx({})"}
     _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 
     def __init__(self, gm: GraphModule, kind: str, name: str, score_dtype: torch.dtype = torch.float32,
@@ -356,10 +358,10 @@ class ModCodegen:
         return handler(node)
 
     def _generic(self, name: str):
-        if name == "tanh" and self.fast_math and self.score_dtype == torch.float32:
-            return lambda node: self._unary_float(node, "fl_tanh_approx({})")
         if name in self._UNARY_FLOAT:
-            return lambda node: self._unary_float(node, self._UNARY_FLOAT[name])
+            fast = self.fast_math and self.score_dtype == torch.float32
+            template = (self._UNARY_FAST if fast else {}).get(name, self._UNARY_FLOAT[name])
+            return lambda node: self._unary_float(node, template)
         if name in self._COMPARE:
             return lambda node: self._compare(node, self._COMPARE[name])
         return None

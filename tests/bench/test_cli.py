@@ -35,6 +35,9 @@ def test_errors_exit_2_with_a_message(tmp_path, capsys):
     assert main(["run", "--config", "tiny", "--passes", "fwd", "--dtype", "fp16", "--out",
                  str(tmp_path / "z")]) == 2
     assert main(["report", str(tmp_path / "missing"), "--out", str(tmp_path / "rep")]) == 2
+    assert main(["run", "--config", "tiny", "--cuda-graphs", "decode,bwd", "--out",
+                 str(tmp_path / "g")]) == 2
+    assert "cuda_graphs='decode,bwd'" in capsys.readouterr().err
 
 
 def test_variant_list_splits_outside_parentheses():
