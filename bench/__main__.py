@@ -1,4 +1,4 @@
-"""Command line: ``python -m bench run|report|summary|list-presets|list-providers``.
+"""Command line: ``python -m bench run|report|summary|first-call|list-presets|list-providers``.
 
 Examples:
     python -m bench run --config tiny --out results/tiny
@@ -8,6 +8,7 @@ Examples:
     python -m bench report results/anchors --out reports/anchors
     python -m bench report results/h100 results/h200 --out reports/compare
     python -m bench summary results/anchors
+    python -m bench first-call --out results/first-call
 """
 from __future__ import annotations
 
@@ -88,6 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     sm.add_argument("results", nargs="+", help="results.json / results.csv files or run folders")
     sm.add_argument("--labels", help="comma-separated names of the runs")
 
+    f = sub.add_parser("first-call", help="time a new mod's first result (trace, generate, compile) "
+                                          "with cold caches, one fresh process per provider")
+    f.add_argument("--variants", help="comma-separated variant specs (default: the anchors variants)")
+    f.add_argument("--providers", help="comma-separated providers (default: flexlab,torch_flex)")
+    f.add_argument("--batch", type=int, default=4)
+    f.add_argument("--heads", type=int, default=16)
+    f.add_argument("--seq", type=int, default=4096)
+    f.add_argument("--head-dim", type=int, default=128)
+    f.add_argument("--dtype", default="bf16", help="float32/fp32, bfloat16/bf16, float16/fp16")
+    f.add_argument("--device", help="cuda or cpu (default: cuda when available)")
+    f.add_argument("--out", help="folder for results.json and summary.md (default: print only)")
+    f.add_argument("--force", action="store_true", help="replace results in --out")
+
     sub.add_parser("list-presets", help="show the named grids")
     lp = sub.add_parser("list-providers", help="show which providers run on this machine")
     lp.add_argument("--device")
@@ -155,8 +169,39 @@ def _report(args) -> int:
     return 0
 
 
+def _first_call(args) -> int:
+    import shlex
+
+    from bench import first_call
+    from bench.grid import ANCHOR_VARIANTS, _norm_dtype
+    from bench.providers import PROVIDERS
+    from bench.runner import default_device
+
+    providers = _csv(args.providers) or ["flexlab", "torch_flex"]
+    unknown = [p for p in providers if p not in PROVIDERS]
+    if unknown:
+        from bench.grid import ConfigError
+
+        raise ConfigError(f"unknown provider(s) {unknown}; known: {', '.join(PROVIDERS)}")
+    shape = first_call.Shape(args.batch, args.heads, args.seq, args.head_dim, _norm_dtype(args.dtype))
+    device = args.device or default_device().type
+    rows = first_call.measure(providers, _variants(args.variants) or ANCHOR_VARIANTS, shape, device)
+    print(first_call.table(rows))
+    if args.out:
+        from bench.env import capture, label
+
+        env = capture(device)
+        meta = {"shape": f"B={shape.batch}, H={shape.heads}, S={shape.seq}, D={shape.head_dim}, {shape.dtype}",
+                "command": "python -m bench " + shlex.join(sys.argv[1:] if sys.argv[1:] else ["first-call"]),
+                "gpu": label(env), "environment": env}
+        for path in first_call.write(rows, Path(args.out), force=args.force, meta=meta):
+            print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from bench.first_call import FirstCallError
     from bench.grid import ConfigError
     from bench.mods import VariantError
     from bench.report import ReportExistsError
@@ -167,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run(args)
         if args.command == "report":
             return _report(args)
+        if args.command == "first-call":
+            return _first_call(args)
         if args.command == "summary":
             from bench.report import print_summary
 
@@ -189,9 +236,13 @@ def main(argv: list[str] | None = None) -> int:
             for name, (ok, why) in availability(device).items():
                 print(f"{name:18s} {'yes' if ok else 'no ':3s} {why}  [{PROVIDERS[name].description}]")
             return 0
-    except (ConfigError, VariantError, RunDirError, ReportExistsError, FileNotFoundError) as exc:
+    except (ConfigError, VariantError, RunDirError, ReportExistsError, FileNotFoundError,
+            FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except FirstCallError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 1
 
 
