@@ -403,3 +403,22 @@ def test_deterministic_gpu():
         assert torch.equal(a, b)
     for a, b in zip(runs[2], runs[3]):
         assert torch.equal(a, b)
+
+
+def test_backward_module_is_built_once_per_mods():
+    # The backward's module is cached by the mods' sources: later calls skip filling the template.
+    from flexcore.kernels import backward as bwd
+    from flexcore.lowering import lower_mask_mod, lower_score_mod
+    from flexcore.lowering.vjp import lower_score_mod_backward
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() < 3
+
+    def other(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() < 4
+
+    score = lower_score_mod(None)
+    score_bwd = lower_score_mod_backward(None, score)
+    first = bwd.backward_module(score, score_bwd, lower_mask_mod(window))
+    assert bwd.backward_module(score, score_bwd, lower_mask_mod(window)) is first
+    assert bwd.backward_module(score, score_bwd, lower_mask_mod(other)) is not first
