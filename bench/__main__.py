@@ -46,6 +46,16 @@ def _variants(text: str | None) -> list[str] | None:
     return out
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,10 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                                           "with cold caches, one fresh process per provider")
     f.add_argument("--variants", help="comma-separated variant specs (default: the anchors variants)")
     f.add_argument("--providers", help="comma-separated providers (default: flexlab,torch_flex)")
-    f.add_argument("--batch", type=int, default=4)
-    f.add_argument("--heads", type=int, default=16)
-    f.add_argument("--seq", type=int, default=4096)
-    f.add_argument("--head-dim", type=int, default=128)
+    f.add_argument("--batch", type=_positive, default=4)
+    f.add_argument("--heads", type=_positive, default=16)
+    f.add_argument("--seq", type=_positive, default=4096)
+    f.add_argument("--head-dim", type=_positive, default=128)
     f.add_argument("--dtype", default="bf16", help="float32/fp32, bfloat16/bf16, float16/fp16")
     f.add_argument("--device", help="cuda or cpu (default: cuda when available)")
     f.add_argument("--out", help="folder for results.json and summary.md (default: print only)")
@@ -169,22 +179,30 @@ def _report(args) -> int:
     return 0
 
 
-def _first_call(args) -> int:
+def _first_call(args, argv: list[str]) -> int:
     import shlex
 
+    import torch
+
     from bench import first_call
-    from bench.grid import ANCHOR_VARIANTS, _norm_dtype
+    from bench.grid import ANCHOR_VARIANTS, ConfigError, _norm_dtype
     from bench.providers import PROVIDERS
     from bench.runner import default_device
 
     providers = _csv(args.providers) or ["flexlab", "torch_flex"]
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
-        from bench.grid import ConfigError
-
         raise ConfigError(f"unknown provider(s) {unknown}; known: {', '.join(PROVIDERS)}")
     shape = first_call.Shape(args.batch, args.heads, args.seq, args.head_dim, _norm_dtype(args.dtype))
     device = args.device or default_device().type
+    try:
+        device_type = torch.device(device).type
+    except RuntimeError:
+        device_type = None
+    if device_type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: expected cpu or cuda")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device!r}: no CUDA GPU on this machine")
     rows = first_call.measure(providers, _variants(args.variants) or ANCHOR_VARIANTS, shape, device)
     print(first_call.table(rows))
     if args.out:
@@ -192,7 +210,7 @@ def _first_call(args) -> int:
 
         env = capture(device)
         meta = {"shape": f"B={shape.batch}, H={shape.heads}, S={shape.seq}, D={shape.head_dim}, {shape.dtype}",
-                "command": "python -m bench " + shlex.join(sys.argv[1:] if sys.argv[1:] else ["first-call"]),
+                "command": "python -m bench " + shlex.join(argv),
                 "gpu": label(env), "environment": env}
         for path in first_call.write(rows, Path(args.out), force=args.force, meta=meta):
             print(path)
@@ -213,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "report":
             return _report(args)
         if args.command == "first-call":
-            return _first_call(args)
+            return _first_call(args, sys.argv[1:] if argv is None else argv)
         if args.command == "summary":
             from bench.report import print_summary
 

@@ -86,8 +86,9 @@ def worker(provider_name: str, variants: list[str], shape: Shape, device_name: s
     if not ok:
         return {"provider": provider_name, "skipped": why, "rows": []}
     warm = _measure_variant(provider, _WARMUP_VARIANT, shape, device)
-    process = {"variant": "process", "mask_s": None, "first_s": time.perf_counter() - start,
-               "total_s": time.perf_counter() - start, "second_ms": warm["second_ms"]}
+    elapsed = time.perf_counter() - start
+    process = {"variant": "process", "mask_s": None, "first_s": elapsed, "total_s": elapsed,
+               "second_ms": warm["second_ms"]}
     rows = [process] + [_measure_variant(provider, v, shape, device) for v in variants]
     return {"provider": provider_name, "skipped": None, "rows": rows}
 

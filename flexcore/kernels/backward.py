@@ -19,7 +19,7 @@ import math
 import torch
 
 from flexcore._runtime import use_interpreter
-from flexcore.kernels.codegen import HEADER, fill_template, load_module, read_template
+from flexcore.kernels.codegen import HEADER, cached_module, fill_template, read_template
 from flexcore.kernels.forward import BlockTensors, _check_tile, fit_tile, pad_head_dim
 from flexcore.kernels.launch import launch
 from flexcore.options import KernelOptions
@@ -46,18 +46,11 @@ def build_backward_source(score_lowered, score_bwd_lowered, mask_lowered) -> str
     return HEADER + fill_template(read_template("backward.py.tmpl"), values)
 
 
-_by_mods: dict[tuple[str, str, str], object] = {}
-
-
 def backward_module(score_lowered, score_bwd_lowered, mask_lowered):
-    """The compiled backward module for these mods, cached by their sources (filling the template
-    and hashing it cost about 0.1 ms of host time per call)."""
-    key = (score_lowered.source, score_bwd_lowered.source, mask_lowered.source)
-    module = _by_mods.get(key)
-    if module is None:
-        source = build_backward_source(score_lowered, score_bwd_lowered, mask_lowered)
-        module = _by_mods[key] = load_module(source, "backward")
-    return module
+    """The compiled backward module for these mods, cached by their sources."""
+    return cached_module(
+        ("backward.py.tmpl", score_lowered.source, score_bwd_lowered.source, mask_lowered.source),
+        lambda: build_backward_source(score_lowered, score_bwd_lowered, mask_lowered), "backward")
 
 
 def q_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:

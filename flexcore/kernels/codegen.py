@@ -95,14 +95,21 @@ def build_kernel_source(template_name: str, score_mod, mask_mod) -> str:
     return HEADER + fill_template(read_template(template_name), values)
 
 
-_by_mods: dict[tuple[str, str, str], ModuleType] = {}
+_by_key: dict[tuple, ModuleType] = {}
+
+
+def cached_module(key: tuple, build_source, name_hint: str) -> ModuleType:
+    """``load_module(build_source(), name_hint)``, remembered under ``key`` (the template name and
+    the lowered mods' sources it is built from): later calls skip filling the template and hashing
+    the source (about 0.1 ms of host time). str hashes are cached, so the lookup is cheap."""
+    module = _by_key.get(key)
+    if module is None:
+        module = _by_key[key] = load_module(build_source(), name_hint)
+    return module
 
 
 def load_kernel_module(template_name: str, score_mod, mask_mod) -> ModuleType:
     """The compiled module for ``template_name`` filled with these mods (cached by source)."""
-    key = (template_name, score_mod.source, mask_mod.source)  # str hashes are cached: cheap per call
-    module = _by_mods.get(key)
-    if module is None:
-        source = build_kernel_source(template_name, score_mod, mask_mod)
-        module = _by_mods[key] = load_module(source, template_name.split(".")[0])
-    return module
+    return cached_module((template_name, score_mod.source, mask_mod.source),
+                         lambda: build_kernel_source(template_name, score_mod, mask_mod),
+                         template_name.split(".")[0])

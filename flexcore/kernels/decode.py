@@ -124,16 +124,6 @@ def _split_counters(device: torch.device, tiles: int) -> torch.Tensor:
 
 _GPU_CONFIGS = [(64, 4, 3), (64, 4, 4), (128, 4, 2), (128, 4, 3), (64, 2, 3), (32, 4, 5)]
 _autotuners: dict = {}
-# Generated modules by the mods' keys: skips rebuilding and hashing the source on every step.
-_modules: dict = {}
-
-
-def _module(score_lowered, mask_lowered):
-    key = (score_lowered.key, mask_lowered.key)
-    module = _modules.get(key)
-    if module is None:
-        module = _modules[key] = load_kernel_module("decode.py.tmpl", score_lowered, mask_lowered)
-    return module
 
 
 _launchers: dict = {}
@@ -211,7 +201,7 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
     k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)  # batch 1 -> stride 0
     sparse_q, sparse_kv = blocks.sparse_block
     plan = plan_decode(B, Hq, Hkv, L, S, blocks, q.device, num_splits)
-    module = _module(score_lowered, mask_lowered)
+    module = load_kernel_module("decode.py.tmpl", score_lowered, mask_lowered)
     head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
     kernel, meta = _launcher(module, sparse_kv, max(head_dim_pad, head_dim_v_pad), q.element_size(), opts)
 

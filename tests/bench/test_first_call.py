@@ -24,6 +24,7 @@ def test_first_call_times_each_variant_in_a_fresh_process(tmp_path, capsys):
     assert rows["process"]["first_s"] > 0
     summary = (out / "summary.md").read_text()
     assert "| causal |" in summary and "B=1, H=2, S=128, D=16, float32" in summary
+    assert data["meta"]["command"] == "python -m bench " + " ".join(args)
     assert "flexlab first call s" in capsys.readouterr().out
 
     # An existing result is not overwritten without --force.
@@ -42,3 +43,22 @@ def test_first_call_reports_worker_failures_and_skips(tmp_path, capsys):
     assert rows == [{"provider": "torch_flex", "variant": "-", "status": "skipped", "note": rows[0]["note"]}]
     assert "GPU baseline" in rows[0]["note"]
     assert "torch_flex: skipped" in first_call.table(rows)
+
+
+def test_first_call_rejects_bad_shapes_dtypes_and_devices(capsys, monkeypatch):
+    import pytest
+    import torch
+
+    for flag, value in (("--seq", "0"), ("--batch", "-2"), ("--head-dim", "x")):
+        with pytest.raises(SystemExit) as exc:
+            main(["first-call", flag, value, "--device", "cpu"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert flag in err and "not a positive integer" in err
+    assert main(["first-call", "--dtype", "int8", "--device", "cpu"]) == 2
+    assert "dtype 'int8'" in capsys.readouterr().err
+    assert main(["first-call", "--device", "tpu"]) == 2
+    assert "--device 'tpu': expected cpu or cuda" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["first-call", "--device", "cuda"]) == 2
+    assert "no CUDA GPU on this machine" in capsys.readouterr().err
