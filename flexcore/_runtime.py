@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import torch
 
@@ -23,6 +24,29 @@ def prepare_triton() -> None:
     """
     if use_interpreter():
         os.environ["TRITON_INTERPRET"] = "1"
+        _interpret_imported_triton_language()
+
+
+def _interpret_imported_triton_language() -> None:
+    """Make triton.language usable by interpreted kernels when it was imported first.
+
+    triton.language's own ``@triton.jit`` helpers (``tl.zeros``, ``tl.cdiv``, ``tl.sum``, ...) are
+    decorated when it is imported. A program that imported triton before flexcore chose the
+    interpreter (``import triton`` at the top of a script, say) holds compiled-kernel versions of
+    them, which interpreted kernels cannot call ("Cannot call @triton.jit'd outside of the scope of
+    a kernel"). They are re-wrapped for the interpreter here, once.
+    """
+    if "triton.language" not in sys.modules:
+        return
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                setattr(module, attr, InterpretedFunction(value.fn))
 
 
 def default_device() -> torch.device:

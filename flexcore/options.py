@@ -24,6 +24,8 @@ class KernelOptions:
             latency at the cost of shared memory.
         autotune: on the GPU, time a few tile configurations per head dim and keep the fastest
             (the first call of a new shape then takes longer). Ignored when BLOCK_M/BLOCK_N are given.
+            The backward at head dim 128 also times one launch of its dK/dV and dQ programs against
+            two; without autotune it takes one launch.
         allow_tf32: for float32 inputs, use tf32 tensor-core matmuls: several times faster, with
             about 1e-3 relative error instead of 1e-6.
         decode: force (True) or forbid (False) the split-KV decoding kernel; None picks it for

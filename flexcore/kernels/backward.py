@@ -1,7 +1,10 @@
-"""Host side of the backward kernels: tile choice, gradient buffers and the three launches.
+"""Host side of the backward kernels: tile choice, gradient buffers and the launches.
+
+The preprocessing kernel computes delta = rowsum(dO * O); then ``flex_bwd_kernel`` runs its dK/dV
+programs and its dQ programs, in one launch or two (see ``_FUSED_HEAD_DIMS``).
 
 dQ, dK and dV never use atomics (each program owns its rows), so they are bit-identical across runs.
-Gradients of captured tensors are scattered by the dK/dV kernel with atomic adds:
+Gradients of captured tensors are scattered by the dK/dV programs with atomic adds:
 
 - default: float32 atomics (float64 for float64 tensors). Fast; the summation order, hence the
   last bits, varies between runs on the GPU.
@@ -20,7 +23,7 @@ import torch
 
 from flexcore._runtime import use_interpreter
 from flexcore.kernels.codegen import HEADER, cached_module, fill_template, read_template
-from flexcore.kernels.forward import BlockTensors, _check_tile, fit_tile, pad_head_dim
+from flexcore.kernels.forward import BlockTensors, _check_tile, fit_tile, pad_head_dim, use_tma
 from flexcore.kernels.launch import launch
 from flexcore.options import KernelOptions
 
@@ -74,10 +77,56 @@ def q_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, 2-byte dtypes. dK/dV programs own
 # BLOCK_N keys and step over BLOCK_M queries; dQ programs own BLOCK_M queries and step over BLOCK_N
-# keys. Measured on an H200 (bf16, B=4, H=16, S=4096, D=128): about 345 TFLOP/s for the backward
-# alone with a causal mask. A mod with many live values can exceed shared memory: see flexcore.kernels.launch.
+# keys. One launch for both kinds uses both tiles, the common num_warps and the smaller num_stages.
+# Measured on an H200 (bf16, D=128, bench/NOTES.md entries 16 and 18): one launch (2 stages) gives
+# 370-400 TFLOP/s for the backward alone on noop and causal masks; at D=64 two launches are faster
+# (4 warps: one launch measured 2-5% slower).
+# A mod with many live values can exceed shared memory: see flexcore.kernels.launch.
 _DKDV_CONFIGS = {64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 1)}
 _DQ_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (64, 32, 4, 1)}
+# Padded head dims whose backward may run as one launch (_tune_layout decides per kernel and size).
+_FUSED_HEAD_DIMS = frozenset({128})
+
+# Tensor descriptors (TMA) for the tiles read in the inner loops (Q and dO for dK/dV, K and V for
+# dQ), where use_tma allows them. Off by default: measured within 1-5% either way of pointer loads
+# in the backward, slower as often as faster (bench/NOTES.md entry 18).
+# None decides by the GPU and the layout; True forces them (tests).
+TMA: bool | None = False
+# One launch for the dK/dV and dQ programs, which then share num_warps and num_stages: None times
+# one launch against two per kernel and size bucket where _FUSED_HEAD_DIMS allows it (the first
+# backward of each); True/False force it (a launch that runs out of shared memory splits anyway).
+FUSED: bool | None = None
+# Kernels (module, tiles, constexprs) whose single launch ran out of shared memory: they run as two.
+_split: set = set()
+# Whether one launch was measured faster than two, per kernel and size bucket (see _tune_layout).
+_layout_choice: dict = {}
+
+
+def _tune_layout(key, run_fused, run_split, grad_buffers) -> bool:
+    """Time one launch against two for this kernel and size bucket, remember the faster, and leave
+    the gradients to the caller's next run. One launch is usually faster (a single tail, both kinds
+    of program on the GPU at once), but a score_mod with a long derivative chain can lose more to the
+    shared num_stages than it gains (softcap, bench/NOTES.md entry 18). Inside a CUDA graph capture
+    nothing is timed: one launch, and tuning at the next call outside a capture."""
+    if torch.cuda.is_current_stream_capturing():
+        return True
+    from triton.testing import do_bench
+
+    if not run_fused():  # also compiles it
+        _layout_choice[key] = False
+        return False
+    run_split()
+    fused_ms = do_bench(run_fused, warmup=1, rep=25, return_mode="median")
+    split_ms = do_bench(run_split, warmup=1, rep=25, return_mode="median")
+    for buf in grad_buffers:  # the timed runs added captured-tensor gradients again and again
+        buf.zero_()
+    _layout_choice[key] = choice = fused_ms <= split_ms
+    return choice
+
+
+def _head_dim_key(head_dim_pad: int) -> int:
+    return min((k for k in _DKDV_CONFIGS if k >= head_dim_pad), default=256)
+
 
 def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int, sparse_kv: int):
     """((BLOCK_M, BLOCK_N, meta) for dK/dV, (BLOCK_M, BLOCK_N, meta) for dQ)."""
@@ -87,7 +136,7 @@ def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int,
         bn = fit_tile(64, sparse_kv, "key")
         configs = [(bm, bn, {}), (bm, bn, {})]
     else:
-        key = min((k for k in _DKDV_CONFIGS if k >= head_dim_pad), default=256)
+        key = _head_dim_key(head_dim_pad)
         configs = []
         for table in (_DKDV_CONFIGS, _DQ_CONFIGS):
             m, n, w, s = table[key]
@@ -175,26 +224,58 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
 
     qn = q_blocks.full_num_blocks if q_blocks.full_num_blocks is not None else q_blocks.num_blocks
     qi = q_blocks.full_indices if q_blocks.full_indices is not None else q_blocks.indices
-    launch(module.flex_bwd_dkdv_kernel, lambda bm, bn: (math.ceil(S / bn), B * Hkv), (
-        q, k, v, grad_out, dk, dv, row_stats, delta,
-        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dk.stride(), *dv.stride(),
-        q_blocks.num_blocks, q_blocks.indices, qn, qi,
-        *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3],
-        *qn.stride(), *qi.stride()[:3],
-        B * Hq * L, L, S, Hq, Hkv, scale, scale * _LOG2E, *caps, *grad_args),
-        bm1, bn1, meta1, dict(GQA_GROUP=Hq // Hkv, WRITE_CAPTURED_GRADS=bool(grad_buffers), **common),
-        pinned=pinned)
-
     kn = kv_blocks.full_num_blocks if kv_blocks.full_num_blocks is not None else kv_blocks.num_blocks
     ki = kv_blocks.full_indices if kv_blocks.full_indices is not None else kv_blocks.indices
-    launch(module.flex_bwd_dq_kernel, lambda bm, bn: (math.ceil(L / bm), B * Hq), (
-        q, k, v, grad_out, dq, row_stats, delta,
-        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(),
+    args = (
+        q, k, v, grad_out, dq, dk, dv, row_stats, delta,
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
         kv_blocks.num_blocks, kv_blocks.indices, kn, ki,
-        *kv_blocks.num_blocks.stride(), *kv_blocks.indices.stride()[:3],
-        *kn.stride(), *ki.stride()[:3],
-        B * Hq * L, L, S, Hq, scale, scale * _LOG2E, *caps, *grad_args),
-        bm2, bn2, meta2, dict(GQA_GROUP=Hq // Hkv, **common), pinned=pinned)
+        *kv_blocks.num_blocks.stride(), *kv_blocks.indices.stride()[:3], *kn.stride(), *ki.stride()[:3],
+        q_blocks.num_blocks, q_blocks.indices, qn, qi,
+        *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3], *qn.stride(), *qi.stride()[:3],
+        B * Hq * L, L, S, Hq, Hkv, scale, scale * _LOG2E, *caps, *grad_args)
+    by_table = _head_dim_key(max(head_dim_pad, head_dim_v_pad)) in _FUSED_HEAD_DIMS
+    tma = TMA is not False and use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, TMA)
+    common.update(GQA_GROUP=Hq // Hkv, WRITE_CAPTURED_GRADS=bool(grad_buffers), USE_TMA=tma)
+    kernel = module.flex_bwd_kernel
+    gqa = Hq // Hkv
+
+    def run_split():
+        launch(kernel, lambda bm, bn: (math.ceil(S / bn), B * Hkv), args, bm1, bn1, meta1,
+               dict(PHASE=1, DQ_BLOCK_M=16, DQ_BLOCK_N=16, **common), pinned=pinned,
+               tile_names=("DKDV_BLOCK_M", "DKDV_BLOCK_N"))
+        launch(kernel, lambda bm, bn: (gqa * math.ceil(L / bm), B * Hkv), args, bm2, bn2, meta2,
+               dict(PHASE=2, DKDV_BLOCK_M=16, DKDV_BLOCK_N=16, **common), pinned=pinned,
+               tile_names=("DQ_BLOCK_M", "DQ_BLOCK_N"))
+
+    def run_fused() -> bool:
+        # One launch: the dK/dV programs, then the dQ programs of each query head of the group.
+        if config_key in _split:
+            return False
+        grid = (math.ceil(S / bn1) + gqa * math.ceil(L / bm2), B * Hkv)
+        try:
+            kernel[grid](*args, PHASE=0, DKDV_BLOCK_M=bm1, DKDV_BLOCK_N=bn1, DQ_BLOCK_M=bm2,
+                         DQ_BLOCK_N=bn2, **meta_fused, **common)
+        except Exception as e:  # noqa: BLE001 - only triton's OutOfResources is handled
+            if type(e).__name__ != "OutOfResources":
+                raise
+            _split.add(config_key)  # the two kinds need less shared memory apart
+            return False
+        return True
+
+    same_warps = meta1.get("num_warps") == meta2.get("num_warps")
+    fused = (FUSED if FUSED is not None else by_table) and same_warps
+    if fused:  # keys built only here: the two-launch path costs no extra host time
+        meta_fused = dict(meta1, num_stages=min(meta1["num_stages"], meta2["num_stages"])) if meta1 else {}
+        config_key = (module.__name__, bm1, bn1, bm2, bn2, tuple(sorted(meta_fused.items())),
+                      tuple(sorted((name, str(value)) for name, value in common.items())))
+        if FUSED is None and opts.autotune and not use_interpreter():
+            layout_key = (config_key, *(max(n, 1).bit_length() for n in (L, S, B * Hkv)))
+            fused = _layout_choice.get(layout_key)
+            if fused is None:
+                fused = _tune_layout(layout_key, run_fused, run_split, list(grad_buffers.values()))
+    if not (fused and run_fused()):
+        run_split()
 
     captured_grads = []
     for i, t in enumerate(captured):

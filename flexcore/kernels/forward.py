@@ -101,19 +101,23 @@ def _tma_allocator(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def use_tma(q, k, v, head_dims_padded: bool) -> bool:
-    """Whether the forward kernel reads K and V through tensor descriptors (TMA): on Hopper and
-    later, for 2-byte dtypes whose rows are contiguous and 16-byte aligned, at power-of-two head
-    dims. Sets triton's scratch allocator (device-side descriptors live in global scratch)."""
-    if TMA is not None:
-        wanted = TMA
+def use_tma(tensors, head_dims_padded: bool, force: bool | None = None) -> bool:
+    """Whether a kernel may read ``tensors`` (B, H, rows, head dim) through tensor descriptors
+    (TMA): on Hopper and later, for 2-byte dtypes whose rows are contiguous and 16-byte aligned, at
+    power-of-two head dims. ``force`` True/False overrides the GPU check (benchmarks, tests); the
+    layout is checked either way. Sets triton's scratch allocator (device-side descriptors live in
+    global scratch)."""
+    first = tensors[0]
+    if force is not None:
+        wanted = force
     else:
-        wanted = (not use_interpreter() and q.is_cuda and k.element_size() == 2
-                  and _capability_major(q.device.index or 0) >= 9)
+        wanted = (not use_interpreter() and first.is_cuda and all(t.element_size() == 2 for t in tensors)
+                  and _capability_major(first.device.index or 0) >= 9)
     if not wanted or not head_dims_padded:
         return False
-    for t in (k, v):
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(st * t.element_size() % 16 for st in t.stride()[:-1]):
+    for t in tensors:
+        if (t.stride(-1) != 1 or t.stride(-2) <= 0 or t.data_ptr() % 16
+                or any(st * t.element_size() % 16 for st in t.stride()[:-1])):
             return False
     from triton.runtime import _allocation
 
@@ -209,7 +213,7 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         # The trivial path folds the scale into the row max, which needs scale > 0.
         SCORE_IS_TRIVIAL=score_lowered.is_trivial and scale > 0, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
         ACC_DTYPE=tl.float64 if fp64 else tl.float32,
-        USE_TMA=use_tma(q, k, v, head_dim_pad == D and head_dim_v_pad == Dv),
+        USE_TMA=use_tma((k, v), head_dim_pad == D and head_dim_v_pad == Dv, TMA),
     )
     if meta:  # one fixed configuration: fall back to smaller tiles if it does not fit the GPU
         meta = dict(meta)

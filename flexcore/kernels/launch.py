@@ -35,21 +35,23 @@ def _describe(bm: int, bn: int, meta: dict) -> str:
 
 
 def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: int, meta: dict,
-           kwargs: dict, *, pinned: bool = False) -> tuple[int, int, dict]:
-    """Launch ``kernel[grid(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, **meta, **kwargs)``.
+           kwargs: dict, *, pinned: bool = False,
+           tile_names: tuple[str, str] = ("BLOCK_M", "BLOCK_N")) -> tuple[int, int, dict]:
+    """Launch ``kernel[grid(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, **meta, **kwargs)`` (the tile
+    constexprs are named by ``tile_names``).
 
     On the GPU a configuration that runs out of shared memory is replaced by the next of
     :func:`smaller_configs`. ``pinned`` says the user chose the configuration in ``kernel_options``;
     they are then warned once which configuration ran instead. Returns the configuration that ran.
     """
-    key = (id(kernel), bm, bn, tuple(sorted(meta.items())),
+    key = (id(kernel), tile_names, bm, bn, tuple(sorted(meta.items())),
            tuple(sorted((k, str(v)) for k, v in kwargs.items())))
     requested = (bm, bn, meta)
     bm, bn, meta = _fallback_cache.get(key, requested)
     error = None
     for bm, bn, meta in smaller_configs(bm, bn, meta):
         try:
-            kernel[grid(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, **meta, **kwargs)
+            kernel[grid(bm, bn)](*args, **{tile_names[0]: bm, tile_names[1]: bn}, **meta, **kwargs)
         except Exception as e:  # noqa: BLE001 - only triton's OutOfResources is retried
             if type(e).__name__ != "OutOfResources":
                 raise

@@ -223,14 +223,44 @@ def test_tensor_descriptors_need_aligned_rows():
 
     k = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
     if fwd.use_interpreter():  # chosen automatically only on Hopper GPUs
-        assert not fwd.use_tma(k, k, k, True)
-    old = fwd.TMA
-    try:
-        fwd.TMA = True
-        assert fwd.use_tma(k, k, k, True)
-        assert not fwd.use_tma(k, k, k, False)  # padded head dims
-        assert not fwd.use_tma(k, k.transpose(2, 3), k, True)  # head dim not contiguous
-        odd = torch.randn(1, 2, 64, 36, dtype=torch.bfloat16)[..., :32]  # 72-byte rows
-        assert not fwd.use_tma(k, odd, odd, True)
-    finally:
-        fwd.TMA = old
+        assert not fwd.use_tma((k, k), True)
+    assert not fwd.use_tma((k, k), True, force=False)
+    assert fwd.use_tma((k, k), True, force=True)
+    assert not fwd.use_tma((k, k), False, force=True)  # padded head dims
+    assert not fwd.use_tma((k, k.transpose(2, 3)), True, force=True)  # head dim not contiguous
+    odd = torch.randn(1, 2, 64, 36, dtype=torch.bfloat16)[..., :32]  # 72-byte rows
+    assert not fwd.use_tma((k, odd), True, force=True)
+    rows = torch.randn(1, 2, 1, 32, dtype=torch.bfloat16).expand(1, 2, 64, 32)  # one row repeated
+    assert not fwd.use_tma((k, rows), True, force=True)
+
+
+def test_triton_imported_before_flexcore_on_a_machine_without_gpu():
+    """A script that imports triton first (triton.language's helpers then exist as compiled-kernel
+    functions) still gets interpreted kernels on a machine without a GPU, forward and backward."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import triton, triton.language, triton.testing\n"
+        "import torch\n"
+        "from flexcore import create_block_mask, flex_attention\n"
+        "from flexcore.reference import flex_attention_reference\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "q, k, v = (torch.randn(1, 2, 100, 32, generator=g, requires_grad=True) for _ in range(3))\n"
+        "bm = create_block_mask(lambda b, h, i, j: i >= j, None, None, 100, 100, BLOCK_SIZE=32)\n"
+        "out = flex_attention(q, k, v, block_mask=bm)\n"
+        "out.sum().backward()\n"
+        "ref = flex_attention_reference(q.double(), k.double(), v.double(), block_mask=bm)\n"
+        "assert (out.double() - ref).abs().max() < 1e-5, (out.double() - ref).abs().max()\n"
+        "assert torch.isfinite(q.grad).all()\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

@@ -180,6 +180,92 @@ def test_captured_gradients_gqa_ragged_bf16():
     check_backward(shape, "causal", torch.float32, seed=13, learnable="bias_difference")
 
 
+@pytest.mark.parametrize("fused,tma", [(False, False), (False, True), (True, False), (True, True)],
+                         ids=["two-launches", "two-launches-tma", "one-launch", "one-launch-tma"])
+def test_launch_layouts(monkeypatch, fused, tma):
+    """The dK/dV and dQ programs in one launch or two, with inner-loop tiles read through tensor
+    descriptors (TMA) or pointers: GQA, ragged lengths (descriptors zero-fill past the end), partial
+    blocks and captured-tensor gradients."""
+    from flexcore.kernels import backward as bwd
+
+    monkeypatch.setattr(bwd, "FUSED", fused)
+    monkeypatch.setattr(bwd, "TMA", tma)
+    used = []
+    real = bwd.use_tma
+    monkeypatch.setattr(bwd, "use_tma", lambda *a: used.append(real(*a)) or used[-1])
+    shape = Shape("gqa_ragged_tma", B=2, Hq=4, Hkv=2, L=70, S=90, D=32, Dv=32, block=(32, 64))
+    # Captured-tensor gradients in float32: in bf16 they carry the rounding of the stored output
+    # through delta = rowsum(dO * O) whatever the launch layout (bench/NOTES.md, entry 5).
+    check_backward(shape, "causal", torch.float32, seed=seed_of("layout", fused, tma), learnable="alibi_slope")
+    check_backward(shape, "document", torch.bfloat16, seed=seed_of("layout-doc", fused, tma))
+    assert used == ([True, True] if tma else [])  # descriptors are off unless asked for
+
+
+def test_one_launch_out_of_shared_memory_splits(monkeypatch):
+    """A single launch that runs out of shared memory runs as two launches instead (and stays so)."""
+    from flexcore.kernels import backward as bwd
+
+    class OutOfResources(Exception):
+        pass
+
+    phases = []
+
+    class Wrapped:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                phases.append(kwargs["PHASE"])
+                if kwargs["PHASE"] == 0:
+                    raise OutOfResources("shared memory")
+                return self.kernel[grid](*args, **kwargs)
+            return run
+
+    real_module = bwd.backward_module
+
+    def module(*mods):
+        m = real_module(*mods)
+        return type("M", (), {"__name__": m.__name__, "flex_bwd_preprocess": m.flex_bwd_preprocess,
+                              "flex_bwd_kernel": Wrapped(m.flex_bwd_kernel)})
+
+    monkeypatch.setattr(bwd, "FUSED", True)
+    monkeypatch.setattr(bwd, "backward_module", module)
+    monkeypatch.setattr(bwd, "_split", set())
+    check_backward(_SMALL, "causal", torch.float32, seed=31)
+    assert phases == [0, 1, 2]
+    check_backward(_SMALL, "causal", torch.float32, seed=32)
+    assert phases == [0, 1, 2, 1, 2]
+
+
+@pytest.mark.parametrize("fused_faster", [True, False])
+def test_layout_tuning_keeps_the_faster_and_correct_gradients(monkeypatch, fused_faster):
+    """On the GPU the first backward of a kernel and size times one launch against two and keeps the
+    faster. Here the GPU path runs under the interpreter with a stand-in timer: the timed runs
+    add captured-tensor gradients again and again, and the returned gradients must still be right."""
+    import triton.testing
+
+    from flexcore.kernels import backward as bwd
+
+    timed = []
+
+    def fake_do_bench(fn, **kwargs):
+        fn()
+        fn()  # repeated runs, as the real timer makes
+        timed.append(fn)
+        return 1.0 if (len(timed) == 1) == fused_faster else 2.0  # the first one timed is one launch
+
+    monkeypatch.setattr(bwd, "use_interpreter", lambda: False)  # GPU tiles and the layout choice
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(bwd, "_layout_choice", {})
+    shape = Shape("tuned128", B=1, Hq=2, Hkv=1, L=128, S=128, D=128, Dv=128, block=128)
+    check_backward(shape, "causal", torch.float32, seed=41, learnable="alibi_slope")
+    assert len(timed) == 2 and list(bwd._layout_choice.values()) == [fused_faster]
+    check_backward(shape, "causal", torch.float32, seed=42, learnable="alibi_slope")
+    assert len(timed) == 2  # remembered for this kernel and size
+
+
 def test_deterministic_captured_gradients_are_bit_identical():
     opts = KernelOptions(deterministic=True)
     first = check_backward(_SMALL, "sliding_window", torch.float32, seed=21, learnable="t5_bucket_softcap",
@@ -389,6 +475,25 @@ def test_captured_gradients_gpu(learnable):
     shape = Shape("gpu_cap", B=2, Hq=8, Hkv=2, L=1000, S=1531, D=64, Dv=64, block=128)
     check_backward(shape, "causal", torch.bfloat16, seed=seed_of("gpucap", learnable), learnable=learnable,
                    device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fused,tma", [(False, False), (False, True), (True, False), (True, True)],
+                         ids=["two-launches", "two-launches-tma", "one-launch", "one-launch-tma"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_launch_layouts_gpu(monkeypatch, fused, tma, head_dim):
+    from flexcore.kernels import backward as bwd
+
+    monkeypatch.setattr(bwd, "FUSED", fused)
+    monkeypatch.setattr(bwd, "TMA", tma)
+    shape = Shape("gpu_layout", B=2, Hq=8, Hkv=2, L=1000, S=1531, D=head_dim, Dv=head_dim, block=128)
+    check_backward(shape, "document", torch.bfloat16, seed=seed_of("gpulayout", fused, tma, head_dim),
+                   device="cuda")
+    check_backward(shape, "alibi", torch.bfloat16, seed=seed_of("gpulayout-alibi", fused, tma, head_dim),
+                   device="cuda")
+    check_backward(shape, "causal", torch.float32, seed=seed_of("gpulayout-cap", fused, tma, head_dim),
+                   learnable="alibi_slope", device="cuda")
 
 
 @pytest.mark.gpu
