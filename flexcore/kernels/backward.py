@@ -24,7 +24,7 @@ import torch
 from flexcore._runtime import use_interpreter
 from flexcore.kernels.codegen import HEADER, cached_module, fill_template, read_template
 from flexcore.kernels.forward import BlockTensors, _check_tile, fit_tile, pad_head_dim, use_tma
-from flexcore.kernels.launch import launch
+from flexcore.kernels.launch import launch, out_of_resources
 from flexcore.options import KernelOptions
 
 _LOG2E = 1.4426950408889634
@@ -235,7 +235,7 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3], *qn.stride(), *qi.stride()[:3],
         B * Hq * L, L, S, Hq, Hkv, scale, scale * _LOG2E, *caps, *grad_args)
     by_table = _head_dim_key(max(head_dim_pad, head_dim_v_pad)) in _FUSED_HEAD_DIMS
-    tma = TMA is not False and use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, TMA)
+    tma = use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, TMA)
     common.update(GQA_GROUP=Hq // Hkv, WRITE_CAPTURED_GRADS=bool(grad_buffers), USE_TMA=tma)
     kernel = module.flex_bwd_kernel
     gqa = Hq // Hkv
@@ -257,7 +257,7 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
             kernel[grid](*args, PHASE=0, DKDV_BLOCK_M=bm1, DKDV_BLOCK_N=bn1, DQ_BLOCK_M=bm2,
                          DQ_BLOCK_N=bn2, **meta_fused, **common)
         except Exception as e:  # noqa: BLE001 - only triton's OutOfResources is handled
-            if type(e).__name__ != "OutOfResources":
+            if not out_of_resources(e):
                 raise
             _split.add(config_key)  # the two kinds need less shared memory apart
             return False

@@ -15,6 +15,12 @@ import torch
 _fallback_cache: dict = {}
 
 
+def out_of_resources(error: BaseException) -> bool:
+    """Whether ``error`` is triton's OutOfResources (matched by name: it moved between triton
+    modules across versions)."""
+    return type(error).__name__ == "OutOfResources"
+
+
 def smaller_configs(bm: int, bn: int, meta: dict) -> Iterator[tuple[int, int, dict]]:
     """Configs to try in order: halve the larger tile down to 64, then fewer stages, then halve to 16
     (halving keeps tiles dividing the mask blocks)."""
@@ -53,7 +59,7 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
         try:
             kernel[grid(bm, bn)](*args, **{tile_names[0]: bm, tile_names[1]: bn}, **meta, **kwargs)
         except Exception as e:  # noqa: BLE001 - only triton's OutOfResources is retried
-            if type(e).__name__ != "OutOfResources":
+            if not out_of_resources(e):
                 raise
             error = e
             continue

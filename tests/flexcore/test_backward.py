@@ -198,7 +198,7 @@ def test_launch_layouts(monkeypatch, fused, tma):
     # through delta = rowsum(dO * O) whatever the launch layout (bench/NOTES.md, entry 5).
     check_backward(shape, "causal", torch.float32, seed=seed_of("layout", fused, tma), learnable="alibi_slope")
     check_backward(shape, "document", torch.bfloat16, seed=seed_of("layout-doc", fused, tma))
-    assert used == ([True, True] if tma else [])  # descriptors are off unless asked for
+    assert used == [tma, tma]  # descriptors are off unless asked for
 
 
 def test_one_launch_out_of_shared_memory_splits(monkeypatch):
