@@ -42,6 +42,9 @@ def _full_block_mask(L: int, S: int, device: torch.device):
 
 
 _kv_blocks_cache: collections.OrderedDict = collections.OrderedDict()
+# Per BlockMask, the forward's launch orders (BlockTensors.schedule): they live as long as the mask,
+# as its own tables do, so that a captured CUDA graph that reads one never outlives it.
+_schedules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _kv_blocks(block_mask, B, Hq):
@@ -53,12 +56,15 @@ def _kv_blocks(block_mask, B, Hq):
     hit = _kv_blocks_cache.get(key)
     if hit is not None and hit[0]() is block_mask:
         return hit[1]
-    blocks = BlockTensors.expanded(block_mask.kv_num_blocks, block_mask.kv_indices,
-                                   block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-                                   block_mask.BLOCK_SIZE, B, Hq)
     try:
         ref = weakref.ref(block_mask)
+        orders = _schedules.setdefault(block_mask, {})
     except TypeError:  # not weak-referenceable: do not remember it
+        ref = orders = None
+    blocks = BlockTensors.expanded(block_mask.kv_num_blocks, block_mask.kv_indices,
+                                   block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+                                   block_mask.BLOCK_SIZE, B, Hq, orders)
+    if ref is None:
         return blocks
     # Entries hold the mask weakly and leave with it, so the cache never keeps tables alive.
     _kv_blocks_cache[key] = (ref, blocks)

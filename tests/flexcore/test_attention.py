@@ -264,3 +264,62 @@ def test_triton_imported_before_flexcore_on_a_machine_without_gpu():
     run = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+def test_longest_first_orders_within_groups():
+    from flexcore.kernels.forward import longest_first
+
+    cost = torch.tensor([1, 5, 3, 5, 2, 9, 0, 4, 4])
+    order = longest_first(cost, 4).tolist()
+    # Groups [0..3], [4..7], [8]: each longest first, ties in their order, the groups in order.
+    assert order == [1, 3, 2, 0, 5, 7, 4, 6, 8]
+    assert longest_first(cost, 0).tolist() == sorted(range(9), key=lambda i: (-int(cost[i]), i))
+    assert longest_first(torch.zeros(0, dtype=torch.int64), 4).numel() == 0
+
+
+def test_schedule_only_where_rows_differ_and_are_long():
+    from flexcore.attention import _kv_blocks
+
+    causal = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, device="cpu",
+                               BLOCK_SIZE=32)
+    blocks = _kv_blocks(causal, 2, 3)
+    order = blocks.schedule(8, 4)
+    # A permutation of the 2 * 3 * 8 (batch·head, row) tiles; each group of 4 longest first.
+    assert sorted(order.tolist()) == list(range(48))
+    rows = (order % 8).view(-1, 4)
+    assert torch.equal(rows, rows.sort(dim=1, descending=True).values)
+    assert blocks.schedule(8, 4) is order  # cached
+    assert _kv_blocks(causal, 2, 3).schedule(8, 4) is order  # kept with the mask, not the views
+    # Rows of 4.5 blocks on average: below a minimum of 5 the natural order stays.
+    assert blocks.schedule(8, 4, min_mean_blocks=5.0) is None
+    noop = create_block_mask(lambda b, h, q, kv: q >= 0, None, None, 256, 256, device="cpu",
+                             BLOCK_SIZE=32)
+    assert _kv_blocks(noop, 2, 3).schedule(8, 4) is None  # every row alike: nothing to reorder
+
+
+@pytest.mark.parametrize("mod_name", ["noop", "causal", "prefix_lm", "document", "and_or"])
+@pytest.mark.parametrize("shape,options,group", [
+    (CPU_SHAPES[0], None, 3),
+    (CPU_SHAPES[3], None, 0),  # GQA
+    # 64-row tiles in 128-row mask blocks; the last row's second tile lies past Q_LEN = 150.
+    (Shape("ragged_tail", B=2, Hq=2, Hkv=2, L=150, S=170, D=32, Dv=32, block=128), {"BLOCK_M": 64}, 1),
+], ids=["square97", "gqa8to2", "ragged_tail"])
+def test_longest_first_launch_matches_reference(monkeypatch, shape, options, group, mod_name):
+    from flexcore.kernels import forward as fwd
+
+    monkeypatch.setattr(fwd, "SCHEDULE_GROUP", group)
+    monkeypatch.setattr(fwd, "SCHEDULE_MIN_BLOCKS", 0.0)
+    used = []
+    schedule = fwd.BlockTensors.schedule
+
+    def spy(self, *args):
+        order = schedule(self, *args)
+        used.append(order is not None)
+        return order
+
+    monkeypatch.setattr(fwd.BlockTensors, "schedule", spy)
+    check_forward(shape, mod_name, torch.float32, seed=seed_of("order", mod_name, shape.name),
+                  kernel_options=options)
+    # Rows alike get the natural order: noop everywhere, and_or's two partial blocks per row
+    # at ragged_tail.
+    assert used == [mod_name != "noop" and (mod_name, shape.name) != ("and_or", "ragged_tail")]

@@ -26,3 +26,48 @@ def test_forward_gpu(shape, mod_name, dtype):
     options = None if shape.name == "gpu_1k" else {"autotune": False}
     check_forward(shape, mod_name, dtype, seed=seed_of(mod_name, shape.name, str(dtype)),
                   kernel_options=options, device="cuda")
+
+
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("mod_name", MOD_NAMES)
+def test_forward_longest_first_gpu(monkeypatch, shape, mod_name):
+    # Every mask through the longest-first launch (by default only rows of 8+ blocks take it).
+    from flexcore.kernels import forward as fwd
+
+    monkeypatch.setattr(fwd, "SCHEDULE_MIN_BLOCKS", 0.0)
+    options = None if shape.name == "gpu_1k" else {"autotune": False}
+    check_forward(shape, mod_name, torch.bfloat16, seed=seed_of("order", mod_name, shape.name),
+                  kernel_options=options, device="cuda")
+
+
+def test_longest_first_order_in_cuda_graphs():
+    # A capture cannot read the costs back: it launches in the natural order. Once an eager call
+    # computed the order, a capture reads it, and the order lives as long as the mask does.
+    import flexcore.attention as attention
+    from flexcore import create_block_mask, flex_attention
+
+    def causal(b, h, i, j):
+        return i >= j
+
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    B, H, S, D = 2, 4, 2048, 64
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+               for _ in range(3))
+    for eager_first in (False, True):
+        bm = create_block_mask(causal, None, None, S, S, device="cuda")
+        if eager_first:
+            flex_attention(q, k, v, block_mask=bm)
+            assert any(order is not None for order in attention._schedules[bm].values())
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # the kernel's compile and autotuning, off the graph
+            flex_attention(q, k, v, block_mask=create_block_mask(causal, None, None, S, S, device="cuda"))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = flex_attention(q, k, v, block_mask=bm)
+        attention._kv_blocks_cache.clear()  # the views go; the mask keeps its orders
+        torch.cuda.empty_cache()
+        graph.replay()
+        # Program order does not change any program's arithmetic: bit-identical to eager.
+        assert torch.equal(out, flex_attention(q, k, v, block_mask=bm)), eager_first
