@@ -16,6 +16,12 @@ def use_interpreter() -> bool:
     return not torch.cuda.is_available()
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a CUDA graph: no timing and no read-back of
+    device values may happen then (False on machines without CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def prepare_triton() -> None:
     """Select the interpreter before any flexcore kernel module is decorated.
 

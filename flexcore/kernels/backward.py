@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from flexcore._runtime import use_interpreter
+from flexcore._runtime import capturing, use_interpreter
 from flexcore.kernels.codegen import HEADER, cached_module, fill_template, read_template
 from flexcore.kernels.forward import BlockTensors, _check_tile, fit_tile, pad_head_dim, use_tma
 from flexcore.kernels.launch import launch, out_of_resources
@@ -108,7 +108,7 @@ def _tune_layout(key, run_fused, run_split, grad_buffers) -> bool:
     of program on the GPU at once), but a score_mod with a long derivative chain can lose more to the
     shared num_stages than it gains (softcap, bench/NOTES.md entry 18). Inside a CUDA graph capture
     nothing is timed: one launch, and tuning at the next call outside a capture."""
-    if torch.cuda.is_current_stream_capturing():
+    if capturing():
         return True
     from triton.testing import do_bench
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from flexcore._runtime import use_interpreter
+from flexcore._runtime import capturing, use_interpreter
 from flexcore.errors import InputError
 from flexcore.kernels.codegen import load_kernel_module
 from flexcore.kernels.launch import Tuned, launch
@@ -64,7 +64,7 @@ class BlockTensors:
         """
         key = (*self.num_blocks.shape[:2], rows, group, min_mean_blocks)
         if key not in self._orders:
-            if self.num_blocks.is_cuda and torch.cuda.is_current_stream_capturing():
+            if capturing():
                 return None
             cost = self.row_cost(rows).reshape(-1)
             order = None

@@ -12,6 +12,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from flexcore._runtime import capturing
+
 _fallback_cache: dict = {}
 
 
@@ -90,7 +92,7 @@ class Tuned:
         (the dtypes of the tensor arguments are added here, as the autotuner does)."""
         full_key = (key, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
         config = self.chosen.get(full_key)
-        if config is None and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if config is None and capturing():
             # Timing configurations inside a CUDA graph capture would break it: run the first one
             # and tune at the next call outside a capture (warm up before capturing to get the
             # tuned configuration into the graph).
