@@ -24,7 +24,7 @@ import torch
 from flexcore._runtime import capturing, use_interpreter
 from flexcore.kernels.codegen import HEADER, cached_module, fill_template, read_template
 from flexcore.kernels.forward import BlockTensors, _check_tile, fit_tile, pad_head_dim, use_tma
-from flexcore.kernels.launch import launch, out_of_resources
+from flexcore.kernels.launch import launch, out_of_resources, run
 from flexcore.options import KernelOptions
 
 _LOG2E = 1.4426950408889634
@@ -200,9 +200,9 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     common["ACC_DTYPE"] = tl.float64 if acc_dtype == torch.float64 else tl.float32
     delta = torch.empty((B, Hq, L), dtype=acc_dtype, device=q.device)
     pre_m = 64
-    module.flex_bwd_preprocess[(math.ceil(L / pre_m), B * Hq)](
-        out, grad_out, delta, *out.stride(), *grad_out.stride(), L, Hq,
-        HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_M=pre_m, ACC_DTYPE=common["ACC_DTYPE"])
+    run(module.flex_bwd_preprocess, (math.ceil(L / pre_m), B * Hq),
+        (out, grad_out, delta, *out.stride(), *grad_out.stride(), L, Hq),
+        dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_M=pre_m, ACC_DTYPE=common["ACC_DTYPE"]))
 
     captured = list(score_lowered.captured)
     grad_buffers = {}
@@ -254,8 +254,8 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
             return False
         grid = (math.ceil(S / bn1) + gqa * math.ceil(L / bm2), B * Hkv)
         try:
-            kernel[grid](*args, PHASE=0, DKDV_BLOCK_M=bm1, DKDV_BLOCK_N=bn1, DQ_BLOCK_M=bm2,
-                         DQ_BLOCK_N=bn2, **meta_fused, **common)
+            run(kernel, grid, args, dict(PHASE=0, DKDV_BLOCK_M=bm1, DKDV_BLOCK_N=bn1, DQ_BLOCK_M=bm2,
+                                         DQ_BLOCK_N=bn2, **meta_fused, **common))
         except Exception as e:  # noqa: BLE001 - only triton's OutOfResources is handled
             if not out_of_resources(e):
                 raise

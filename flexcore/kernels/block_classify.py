@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from flexcore.kernels.codegen import load_kernel_module
+from flexcore.kernels.launch import run
 
 
 def classify_blocks(mask_lowered, B: int, H: int, Q_LEN: int, KV_LEN: int,
@@ -24,8 +25,7 @@ def classify_blocks(mask_lowered, B: int, H: int, Q_LEN: int, KV_LEN: int,
     kv_pad = max(16, 1 << (BK - 1).bit_length())
     # Strips of about 4K positions keep registers bounded for any block size.
     sub_q = max(1, min(1 << (BQ - 1).bit_length(), 4096 // kv_pad))
-    module.classify_blocks_kernel[(KB, QB, B * H)](
-        out, *out.stride(), Q_LEN, KV_LEN, H, *mask_lowered.kernel_args(),
-        BLOCK_Q=BQ, BLOCK_KV=BK, BLOCK_KV_PAD=kv_pad, SUB_Q=sub_q,
-    )
+    run(module.classify_blocks_kernel, (KB, QB, B * H),
+        (out, *out.stride(), Q_LEN, KV_LEN, H, *mask_lowered.kernel_args()),
+        dict(BLOCK_Q=BQ, BLOCK_KV=BK, BLOCK_KV_PAD=kv_pad, SUB_Q=sub_q))
     return out

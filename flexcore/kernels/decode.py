@@ -11,7 +11,7 @@ from flexcore._runtime import use_interpreter
 from flexcore.errors import InputError
 from flexcore.kernels.codegen import load_kernel_module
 from flexcore.kernels.forward import BlockTensors, fit_tile, pad_head_dim
-from flexcore.kernels.launch import Tuned
+from flexcore.kernels.launch import Tuned, run
 from flexcore.options import KernelOptions
 
 _LOG2E = 1.4426950408889634
@@ -246,5 +246,5 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
     if isinstance(kernel, Tuned):
         kernel.launch(grid, args, constexprs, key=(tune_bucket, plan.num_splits, L))
     else:
-        kernel[grid](*args, **constexprs, **meta)
+        run(kernel, grid, args, {**constexprs, **meta})
     return out, lse

@@ -1,20 +1,147 @@
-"""Launching with a fixed tile configuration that may not fit the GPU.
+"""Launching flexcore's Triton kernels: direct launches, configurations that may not fit the GPU.
 
-A mod that keeps many values live (a gather from a captured table, say) can push a tile
-configuration past the shared memory of the GPU. Triton only finds out when the kernel is loaded,
-so a launch that runs out is retried with the next smaller configuration, and the configuration
-that worked is remembered for the same kernel and constexprs.
+Direct launches. ``kernel[grid](*args)`` goes through triton's ``JITFunction.run``, which binds and
+specialises every argument again at each call: 70-80 µs of host time for the forward's and the
+backward's 50-80 arguments on the GPU machine, against 15-18 µs for the compiled kernel's own
+launcher (bench/NOTES.md entry 22). :func:`run` keeps, per kernel, constexprs and
+:func:`arg_key` of the arguments, the compiled kernel that triton chose, and launches it directly
+the next time, through the same launcher that triton calls.
+
+Configurations that may not fit. A mod that keeps many values live (a gather from a captured table,
+say) can push a tile configuration past the shared memory of the GPU. Triton only finds out when the
+kernel is loaded, so a launch that runs out is retried with the next smaller configuration, and the
+configuration that worked is remembered for the same kernel and constexprs.
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Callable, Iterator
 
 import torch
 
-from flexcore._runtime import capturing
+from flexcore._runtime import capturing, use_interpreter
 
 _fallback_cache: dict = {}
+
+# Direct launches (see the module docstring). False sends every launch through triton's
+# JITFunction.run (benchmarks, debugging).
+DIRECT = True
+# key -> _Direct; bounded (cleared when full: entries are cheap to rebuild, one slow launch each).
+_direct: dict = {}
+_DIRECT_LIMIT = 4096
+
+
+def arg_key(args) -> tuple:
+    """What triton's specialisation of a launch reads from its runtime arguments, as a hashable key.
+
+    Per argument: a tensor's dtype and whether its address is a multiple of 16 bytes; an int's
+    class (1, multiple of 16 or not, in the 32-bit range or not, 64-bit unsigned); the type of a
+    float; any other value as it is (None, bools, strings). Launches of one kernel with equal keys
+    and equal constexprs run the same compiled kernel. Raises TypeError for unhashable values.
+    """
+    key = []
+    append = key.append
+    for a in args:
+        t = type(a)
+        if t is int:
+            if -2147483648 <= a <= 2147483647:
+                append(1 if a == 1 else (2 if a & 15 else 3))
+            else:
+                append(4 + (a & 15 == 0) + 2 * (a >= 1 << 63))
+        elif t is float:
+            append(float)
+        elif isinstance(a, torch.Tensor):
+            append((a.dtype, a.data_ptr() & 15 == 0))
+        else:
+            append(a)
+    return tuple(key)
+
+
+class _Direct:
+    """A compiled kernel and the constexprs that follow the positional arguments in its signature."""
+
+    __slots__ = ("owner", "compiled", "tail", "extra")
+
+    def __init__(self, owner, compiled, tail: tuple, extra):
+        # owner: the kernel (or Tuned) whose id is in the key; kept so that the id stays its own.
+        self.owner, self.compiled, self.tail, self.extra = owner, compiled, tail, extra
+
+    def launch(self, grid, args, device: int) -> None:
+        ck = self.compiled
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        ck.run(grid[0], g1, g2, _stream(device), ck.function,
+               ck.packed_metadata, None, None, None, *args, *self.tail)
+
+
+_stream = None  # triton's driver.get_current_stream, bound on first use
+
+
+def _direct_key(kernel, args, kwargs_items: tuple, extra=()) -> tuple | None:
+    """The key of a direct launch, or None when this launch must go through triton (interpreter,
+    switched off, launch hooks installed by a profiler, unhashable arguments)."""
+    if not DIRECT or use_interpreter() or _hooks_installed():
+        return None
+    try:
+        return (id(kernel), kwargs_items, extra, arg_key(args), torch.cuda.current_device())
+    except TypeError:
+        return None
+
+
+def _hooks_installed() -> bool:
+    """Whether a profiler installed triton launch hooks (direct launches would skip them)."""
+    global _knobs
+    if _knobs is None:
+        from triton import knobs as _knobs
+    runtime = _knobs.runtime
+    return any(h is not None and getattr(h, "calls", True)
+               for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+
+
+_knobs = None
+
+
+def _remember(key, kernel, compiled, args: tuple, kwargs: dict, extra=None, owner=None) -> None:
+    """Keep ``compiled`` (what ``kernel[grid](*args, **kwargs)`` returned) for direct launches
+    under ``key``, when every parameter after the positional arguments is given in ``kwargs`` or
+    has a default (triton has rejected the launch already if one was given twice). ``owner``: the object whose id
+    the key holds, when it is not ``kernel``."""
+    global _stream
+    if key is None or compiled is None or not all(
+            hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+        return
+    params = getattr(kernel, "params", None)
+    if params is None or len(params) < len(args):
+        return
+    tail = []
+    for p in params[len(args):]:
+        if p.name in kwargs:
+            tail.append(kwargs[p.name])
+        elif getattr(p, "default", inspect.Parameter.empty) is not inspect.Parameter.empty:
+            tail.append(p.default)
+        else:
+            return
+    if _stream is None:
+        from triton.runtime.driver import driver
+
+        _stream = driver.active.get_current_stream
+    if len(_direct) >= _DIRECT_LIMIT:
+        _direct.clear()
+    _direct[key] = _Direct(kernel if owner is None else owner, compiled, tuple(tail), extra)
+
+
+def run(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+    """``kernel[grid](*args, **kwargs)``, launched directly when the same kernel has run with the
+    same constexprs and argument key before (see the module docstring)."""
+    key = _direct_key(kernel, args, tuple(kwargs.items()))
+    if key is not None:
+        entry = _direct.get(key)
+        if entry is not None and entry.owner is kernel:
+            entry.launch(grid, args, key[-1])
+            return
+    compiled = kernel[grid](*args, **kwargs)
+    _remember(key, kernel, compiled, args, kwargs)
 
 
 def out_of_resources(error: BaseException) -> bool:
@@ -52,14 +179,22 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
     :func:`smaller_configs`. ``pinned`` says the user chose the configuration in ``kernel_options``;
     they are then warned once which configuration ran instead. Returns the configuration that ran.
     """
+    direct = _direct_key(kernel, args, tuple(kwargs.items()), (tile_names, bm, bn, *meta.items()))
+    if direct is not None:
+        entry = _direct.get(direct)
+        if entry is not None and entry.owner is kernel:
+            ran = entry.extra
+            entry.launch(grid(ran[0], ran[1]), args, direct[-1])
+            return ran
     key = (id(kernel), tile_names, bm, bn, tuple(sorted(meta.items())),
            tuple(sorted((k, str(v)) for k, v in kwargs.items())))
     requested = (bm, bn, meta)
     bm, bn, meta = _fallback_cache.get(key, requested)
     error = None
     for bm, bn, meta in smaller_configs(bm, bn, meta):
+        full = {tile_names[0]: bm, tile_names[1]: bn, **meta, **kwargs}
         try:
-            kernel[grid(bm, bn)](*args, **{tile_names[0]: bm, tile_names[1]: bn}, **meta, **kwargs)
+            compiled = kernel[grid(bm, bn)](*args, **full)
         except Exception as e:  # noqa: BLE001 - only triton's OutOfResources is retried
             if not out_of_resources(e):
                 raise
@@ -71,6 +206,7 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
                 warnings.warn(f"kernel_options ({_describe(*requested)}) need more shared memory than "
                               f"this GPU has for this mod; ran {_describe(bm, bn, meta)} instead",
                               stacklevel=3)
+        _remember(direct, kernel, compiled, args, full, (bm, bn, meta))
         return bm, bn, meta
     raise error
 
@@ -90,6 +226,12 @@ class Tuned:
     def launch(self, grid, args: tuple, kwargs: dict, key: tuple = ()) -> None:
         """``tuner[grid](*args, **kwargs)``; ``key`` holds the values of the tuner's ``key`` arguments
         (the dtypes of the tensor arguments are added here, as the autotuner does)."""
+        direct = _direct_key(self, args, tuple(kwargs.items()), key)
+        if direct is not None:
+            entry = _direct.get(direct)
+            if entry is not None and entry.owner is self:
+                entry.launch(grid(entry.extra) if callable(grid) else grid, args, direct[-1])
+                return
         full_key = (key, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
         config = self.chosen.get(full_key)
         if config is None and capturing():
@@ -101,4 +243,7 @@ class Tuned:
             self.tuner[grid](*args, **kwargs)
             self.chosen[full_key] = self.tuner.best_config
             return
-        self.tuner.fn[grid](*args, **kwargs, **config.all_kwargs())
+        full = {**kwargs, **config.all_kwargs()}
+        compiled = self.tuner.fn[grid](*args, **full)
+        if config is self.chosen.get(full_key):  # not the untuned stand-in of a capture
+            _remember(direct, self.tuner.fn, compiled, args, full, full, owner=self)

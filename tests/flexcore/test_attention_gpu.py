@@ -71,3 +71,61 @@ def test_longest_first_order_in_cuda_graphs():
         graph.replay()
         # Program order does not change any program's arithmetic: bit-identical to eager.
         assert torch.equal(out, flex_attention(q, k, v, block_mask=bm)), eager_first
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_direct_launches_gpu(monkeypatch, D):
+    # After warm-up, a training step and a decoding step launch every kernel directly (no call of
+    # triton's JITFunction.run), with results bit-identical to launches through triton; a
+    # misaligned input specialises anew, through triton, and still matches the float64 reference.
+    import triton.runtime.jit as jit
+
+    from flexcore import create_block_mask, flex_attention
+    from flexcore.kernels import launch
+    from tests.flexcore.compare import assert_matches_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("direct", D))
+    B, H, S = 2, 4, 1024
+    q, k, v, do = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for _ in range(4))
+    q_dec = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    slopes = torch.rand(H, device="cuda", generator=gen)
+
+    def alibi(score, b, h, i, j):
+        return score - slopes[h] * (i - j).abs()
+
+    def causal(b, h, i, j):
+        return i >= j
+
+    def step(q):
+        bm = create_block_mask(causal, None, None, S, S, device="cuda")
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = flex_attention(qq, kk, vv, score_mod=alibi, block_mask=bm)
+        grads = torch.autograd.grad(out, (qq, kk, vv), do)
+        dec = flex_attention(q_dec, k, v, score_mod=alibi)
+        return (out.detach(), *grads, dec)
+
+    monkeypatch.setattr(launch, "DIRECT", False)
+    through_triton = step(q)
+    monkeypatch.setattr(launch, "DIRECT", True)
+    monkeypatch.setattr(launch, "_direct", {})
+    step(q), step(q)  # tuning, then one launch through triton per specialisation
+    calls = []
+    real_run = jit.JITFunction.run
+
+    def counting_run(self, *args, **kwargs):
+        calls.append(self.__name__)
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(jit.JITFunction, "run", counting_run)
+    direct = step(q)
+    assert calls == [], calls
+    for a, b in zip(direct, through_triton):
+        assert torch.equal(a, b)
+
+    misaligned = torch.empty(q.numel() + 1, device="cuda", dtype=q.dtype)[1:].view(q.shape).copy_(q)
+    assert misaligned.data_ptr() % 16
+    bm = create_block_mask(causal, None, None, S, S, device="cuda")
+    out, lse = flex_attention(misaligned, k, v, score_mod=alibi, block_mask=bm, return_lse=True)
+    assert "flex_forward_kernel" in calls
+    assert_matches_reference(q, k, v, alibi, bm, out, lse, "misaligned query")

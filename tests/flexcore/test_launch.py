@@ -1,0 +1,225 @@
+"""Direct launches (flexcore.kernels.launch): when a remembered compiled kernel is launched without
+triton's JITFunction.run, and when a launch must go through triton again.
+
+Kernels on this machine run under triton's interpreter, which never launches directly, so these
+tests drive the logic with a stand-in kernel that records how it was launched. The GPU tests
+(test_attention_gpu.py, test_direct_launches_gpu) run the real kernels both ways.
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from flexcore.kernels import launch as L
+
+
+class _Param:
+    def __init__(self, name, default=inspect.Parameter.empty):
+        self.name, self.default = name, default
+
+
+class _Compiled:
+    function, packed_metadata = "function-handle", "packed-metadata"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *launch_args):
+        self.launches.append(launch_args)
+
+
+class _Kernel:
+    """Signature (x, n, scale, BLOCK, FLAG=True); records launches through ``kernel[grid](...)``."""
+
+    def __init__(self, names=("x", "n", "scale", "BLOCK"), defaults=(("FLAG", True),),
+                 fail_above: int | None = None):
+        self.params = [_Param(n) for n in names] + [_Param(n, d) for n, d in defaults]
+        self.compiled: dict = {}
+        self.slow = []
+        self.fail_above = fail_above
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            if self.fail_above is not None and kwargs.get("BLOCK_M", 0) > self.fail_above:
+                raise type("OutOfResources", (Exception,), {})("shared memory")
+            self.slow.append((grid, args, kwargs))
+            return self.compiled.setdefault(tuple(sorted(kwargs.items())), _Compiled())
+        return call
+
+
+@pytest.fixture
+def gpu_like(monkeypatch):
+    """The launch module as it behaves on a GPU machine (device 0, stream 77, no hooks)."""
+    monkeypatch.setattr(L, "use_interpreter", lambda: False)
+    monkeypatch.setattr(L, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(L, "_stream", lambda device: 77 + device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(L, "DIRECT", True)
+    monkeypatch.setattr(L, "_direct", {})
+    monkeypatch.setattr(L, "_fallback_cache", {})
+
+
+def _x(offset=0, dtype=torch.float32):
+    return torch.zeros(64, dtype=dtype)[offset:]
+
+
+def test_arg_key_follows_triton_specialisation():
+    key = L.arg_key
+    assert key([1]) != key([2]) != key([16])          # 1, other, multiple of 16
+    assert key([32]) == key([48]) == key([0])         # same class: one compiled kernel
+    assert key([17]) == key([3])
+    assert key([2 ** 31 + 16]) != key([16])           # 64-bit ints are another type
+    assert key([2 ** 31 + 16]) != key([2 ** 31 + 3])
+    assert key([2 ** 63]) != key([2 ** 62])           # unsigned 64-bit
+    assert key([-16]) == key([16]) and key([-3]) == key([3])
+    assert key([0.5]) == key([3.0])                   # floats are not specialised
+    assert key([None]) != key([0]) and key([True]) != key([False])
+    assert key([_x()]) == key([_x()])
+    assert key([_x(1)]) != key([_x()])                # 4 bytes off: not 16-byte aligned
+    assert key([_x(4)]) == key([_x()])                # 16 bytes off: aligned
+    assert key([_x(dtype=torch.float16)]) != key([_x()])
+
+
+def test_second_launch_is_direct_with_constexprs_in_signature_order(gpu_like):
+    kernel = _Kernel()
+    x = _x()
+    L.run(kernel, (3, 2), (x, 5, 0.5), {"BLOCK": 64, "num_warps": 4})
+    assert len(kernel.slow) == 1
+    compiled, = kernel.compiled.values()
+    assert compiled.launches == []
+    y = _x()
+    L.run(kernel, (3, 2), (y, 7, 0.25), {"BLOCK": 64, "num_warps": 4})
+    assert len(kernel.slow) == 1
+    assert compiled.launches == [(3, 2, 1, 77, "function-handle", "packed-metadata", None, None, None,
+                                  y, 7, 0.25, 64, True)]
+
+
+@pytest.mark.parametrize("change", ["alignment", "int_class", "dtype", "constexpr", "options"])
+def test_launches_that_specialise_differently_go_through_triton(gpu_like, change):
+    kernel = _Kernel()
+    base = dict(x=_x(), n=5, kwargs={"BLOCK": 64, "num_warps": 4})
+    L.run(kernel, (1,), (base["x"], base["n"], 1.0), base["kwargs"])
+    L.run(kernel, (1,), (_x(), 7, 2.0), dict(base["kwargs"]))   # same specialisation: direct
+    assert len(kernel.slow) == 1
+    x, n, kwargs = _x(), 5, dict(base["kwargs"])
+    if change == "alignment":
+        x = _x(1)
+    elif change == "int_class":
+        n = 32
+    elif change == "dtype":
+        x = _x(dtype=torch.float16)
+    elif change == "constexpr":
+        kwargs["BLOCK"] = 32
+    else:
+        kwargs["num_warps"] = 8
+    L.run(kernel, (1,), (x, n, 1.0), kwargs)
+    assert len(kernel.slow) == 2
+    L.run(kernel, (1,), (x, n, 1.0), kwargs)
+    assert len(kernel.slow) == 2
+
+
+def test_direct_launches_can_be_switched_off(gpu_like, monkeypatch):
+    kernel = _Kernel()
+    monkeypatch.setattr(L, "DIRECT", False)
+    for _ in range(3):
+        L.run(kernel, (1,), (_x(), 5, 1.0), {"BLOCK": 64})
+    assert len(kernel.slow) == 3 and not L._direct
+
+
+def test_launch_hooks_keep_launches_in_triton(gpu_like, monkeypatch):
+    kernel = _Kernel()
+    monkeypatch.setattr(L, "_hooks_installed", lambda: True)
+    for _ in range(3):
+        L.run(kernel, (1,), (_x(), 5, 1.0), {"BLOCK": 64})
+    assert len(kernel.slow) == 3
+
+
+def test_hooks_installed_reads_triton_knobs(monkeypatch):
+    from triton import knobs
+
+    monkeypatch.setattr(L, "_knobs", None)
+    assert not L._hooks_installed()
+
+    def hook(metadata):
+        return None
+
+    current = knobs.runtime.launch_enter_hook
+    if hasattr(current, "add"):  # a chain of hooks (newer triton)
+        current.add(hook)
+        try:
+            assert L._hooks_installed()
+        finally:
+            current.remove(hook)
+    else:
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", hook)
+        assert L._hooks_installed()
+
+
+def test_launch_arguments_follow_the_signature(gpu_like):
+    # A parameter after the positional ones with neither a value nor a default.
+    kernel = _Kernel(names=("x", "n", "scale", "BLOCK", "OTHER"))
+    for _ in range(2):
+        L.run(kernel, (1,), (_x(), 5, 1.0), {"BLOCK": 64})
+    assert len(kernel.slow) == 2
+    # A runtime parameter passed by keyword takes its place in the signature.
+    kernel = _Kernel()
+    for _ in range(2):
+        L.run(kernel, (1,), (_x(), 5), {"scale": 0.5, "BLOCK": 64})
+    compiled, = kernel.compiled.values()
+    assert len(kernel.slow) == 1 and compiled.launches[0][-3:] == (0.5, 64, True)
+
+
+def test_fallback_configuration_is_launched_directly(gpu_like):
+    kernel = _Kernel(names=("x", "n", "scale", "BLOCK_M", "BLOCK_N"), fail_above=64)
+    grids = []
+
+    def grid(bm, bn):
+        grids.append((bm, bn))
+        return (256 // bm, 1)
+
+    meta = {"num_warps": 4, "num_stages": 2}
+    ran = L.launch(kernel, grid, (_x(), 5, 1.0), 128, 64, meta, {})
+    assert ran == (64, 64, meta) and len(kernel.slow) == 1
+    y = _x()
+    assert L.launch(kernel, grid, (y, 5, 1.0), 128, 64, meta, {}) == ran
+    assert len(kernel.slow) == 1
+    compiled, = kernel.compiled.values()
+    assert compiled.launches[-1][:3] == (4, 1, 1)  # the grid of the configuration that ran
+    assert compiled.launches[-1][9:] == (y, 5, 1.0, 64, 64, True)
+
+
+def test_tuned_launch_is_direct_once_tuned(gpu_like):
+    import triton
+
+    kernel = _Kernel(names=("x", "n", "scale", "BLOCK_M"))
+    configs = [triton.Config({"BLOCK_M": 64}, num_warps=4), triton.Config({"BLOCK_M": 32}, num_warps=4)]
+
+    class _Tuner:
+        fn = kernel
+        best_config = configs[1]
+
+        def __init__(self):
+            self.configs, self.tunings = configs, 0
+
+        def __getitem__(self, grid):
+            def call(*args, **kwargs):
+                self.tunings += 1
+            return call
+
+    tuner = L.Tuned(_Tuner())
+
+    def grid(meta):
+        return (128 // meta["BLOCK_M"],)
+
+    for _ in range(4):
+        tuner.launch(grid, (_x(), 5, 1.0), {"FLAG": False}, key=(3,))
+    assert tuner.tuner.tunings == 1                 # tuned once
+    assert len(kernel.slow) == 1                    # then one launch through triton
+    compiled, = kernel.compiled.values()
+    assert len(compiled.launches) == 2              # then direct, with the tuned tile and grid
+    assert compiled.launches[-1][:3] == (4, 1, 1)
+    assert compiled.launches[-1][-2:] == (32, False)
+    tuner.launch(grid, (_x(), 5, 1.0), {"FLAG": False}, key=(4,))  # another tuning key
+    assert tuner.tuner.tunings == 2
