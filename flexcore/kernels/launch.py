@@ -37,14 +37,15 @@ def arg_key(args) -> tuple:
 
     Per argument: a tensor's dtype and whether its address is a multiple of 16 bytes; an int's
     class (1, multiple of 16 or not, in the 32-bit range or not, 64-bit unsigned); the type of a
-    float; any other value as it is (None, bools, strings). Launches of one kernel with equal keys
-    and equal constexprs run the same compiled kernel. Raises TypeError for unhashable values.
+    float; any other value with its type (None, bools, strings). Launches of one kernel with equal
+    keys and equal constexprs run the same compiled kernel (on NVIDIA GPUs; see _direct_key).
+    Raises TypeError for unhashable values.
     """
     key = []
     append = key.append
     for a in args:
         t = type(a)
-        if t is int:
+        if t is int:  # a small int code; nothing else in the key is an int
             if -2147483648 <= a <= 2147483647:
                 append(1 if a == 1 else (2 if a & 15 else 3))
             else:
@@ -53,8 +54,8 @@ def arg_key(args) -> tuple:
             append(float)
         elif isinstance(a, torch.Tensor):
             append((a.dtype, a.data_ptr() & 15 == 0))
-        else:
-            append(a)
+        else:  # tagged with its type: True must not key as the int 1 (triton makes 1 a constexpr)
+            append((t, a))
     return tuple(key)
 
 
@@ -79,27 +80,60 @@ _stream = None  # triton's driver.get_current_stream, bound on first use
 
 
 def _direct_key(kernel, args, kwargs_items: tuple, extra=()) -> tuple | None:
-    """The key of a direct launch, or None when this launch must go through triton (interpreter,
-    switched off, launch hooks installed by a profiler, unhashable arguments)."""
-    if not DIRECT or use_interpreter() or _hooks_installed():
+    """The key of a direct launch, or None when this launch must go through triton: interpreter,
+    switched off, a triton whose launch convention is not the one mirrored here, a ROCm build
+    (its specialisation also reads tensor sizes), launch hooks or a stages-inspection hook
+    installed (profilers), unhashable arguments. triton's debug and instrumentation knobs are in
+    the key: it compiles another kernel when they change."""
+    if not DIRECT or use_interpreter() or not _supported() or _hooks_installed():
         return None
+    knobs = _triton_knobs()
     try:
-        return (id(kernel), kwargs_items, extra, arg_key(args), torch.cuda.current_device())
+        return (id(kernel), kwargs_items, extra, arg_key(args), torch.cuda.current_device(),
+                knobs.runtime.debug, getattr(getattr(knobs, "compilation", None), "instrumentation_mode", None))
     except TypeError:
         return None
 
 
+_supported_result: bool | None = None
+
+
+def _supported() -> bool:
+    """Whether this triton launches a compiled kernel as flexcore's direct launches do (checked
+    once, in the source of ``JITFunction.run``), on a CUDA build of torch."""
+    global _supported_result
+    if _supported_result is None:
+        _supported_result = False
+        if torch.version.hip is None:
+            try:
+                from triton.runtime.jit import JITFunction
+
+                source = " ".join(inspect.getsource(JITFunction.run).split())
+            except (ImportError, OSError, TypeError):
+                source = ""
+            _supported_result = ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, "
+                                 "kernel.packed_metadata, launch_metadata, knobs.runtime.launch_enter_hook, "
+                                 "knobs.runtime.launch_exit_hook, *bound_args.values())") in source
+    return _supported_result
+
+
 def _hooks_installed() -> bool:
-    """Whether a profiler installed triton launch hooks (direct launches would skip them)."""
-    global _knobs
-    if _knobs is None:
-        from triton import knobs as _knobs
-    runtime = _knobs.runtime
-    return any(h is not None and getattr(h, "calls", True)
-               for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+    """Whether a profiler installed triton launch hooks or a stages-inspection hook (direct
+    launches would skip them)."""
+    runtime = _triton_knobs().runtime
+    return (any(h is not None and getattr(h, "calls", True)
+                for h in (runtime.launch_enter_hook, runtime.launch_exit_hook))
+            or getattr(runtime, "add_stages_inspection_hook", None) is not None)
 
 
 _knobs = None
+
+
+def _triton_knobs():
+    global _knobs
+    if _knobs is None:
+        from triton import knobs as _knobs
+    return _knobs
 
 
 def _remember(key, kernel, compiled, args: tuple, kwargs: dict, extra=None, owner=None) -> None:
@@ -112,7 +146,7 @@ def _remember(key, kernel, compiled, args: tuple, kwargs: dict, extra=None, owne
             hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
         return
     params = getattr(kernel, "params", None)
-    if params is None or len(params) < len(args):
+    if params is None or len(params) < len(args) or getattr(kernel, "pre_run_hooks", None):
         return
     tail = []
     for p in params[len(args):]:
@@ -133,12 +167,13 @@ def _remember(key, kernel, compiled, args: tuple, kwargs: dict, extra=None, owne
 
 def run(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     """``kernel[grid](*args, **kwargs)``, launched directly when the same kernel has run with the
-    same constexprs and argument key before (see the module docstring)."""
-    key = _direct_key(kernel, args, tuple(kwargs.items()))
+    same constexprs and argument key before (see the module docstring). ``grid``: a tuple (a
+    callable grid always launches through triton)."""
+    key = None if callable(grid) else _direct_key(kernel, args, tuple(kwargs.items()))
     if key is not None:
         entry = _direct.get(key)
         if entry is not None and entry.owner is kernel:
-            entry.launch(grid, args, key[-1])
+            entry.launch(grid, args, key[4])
             return
     compiled = kernel[grid](*args, **kwargs)
     _remember(key, kernel, compiled, args, kwargs)
@@ -184,7 +219,7 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
         entry = _direct.get(direct)
         if entry is not None and entry.owner is kernel:
             ran = entry.extra
-            entry.launch(grid(ran[0], ran[1]), args, direct[-1])
+            entry.launch(grid(ran[0], ran[1]), args, direct[4])
             return ran
     key = (id(kernel), tile_names, bm, bn, tuple(sorted(meta.items())),
            tuple(sorted((k, str(v)) for k, v in kwargs.items())))
@@ -230,7 +265,7 @@ class Tuned:
         if direct is not None:
             entry = _direct.get(direct)
             if entry is not None and entry.owner is self:
-                entry.launch(grid(entry.extra) if callable(grid) else grid, args, direct[-1])
+                entry.launch(grid(entry.extra) if callable(grid) else grid, args, direct[4])
                 return
         full_key = (key, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
         config = self.chosen.get(full_key)

@@ -54,6 +54,7 @@ def gpu_like(monkeypatch):
     """The launch module as it behaves on a GPU machine (device 0, stream 77, no hooks)."""
     monkeypatch.setattr(L, "use_interpreter", lambda: False)
     monkeypatch.setattr(L, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(L, "_supported", lambda: True)
     monkeypatch.setattr(L, "_stream", lambda device: 77 + device)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(L, "DIRECT", True)
@@ -76,6 +77,7 @@ def test_arg_key_follows_triton_specialisation():
     assert key([-16]) == key([16]) and key([-3]) == key([3])
     assert key([0.5]) == key([3.0])                   # floats are not specialised
     assert key([None]) != key([0]) and key([True]) != key([False])
+    assert key([True]) != key([1]) and key([False]) != key([0])  # 1 is a constexpr to triton, True is not
     assert key([_x()]) == key([_x()])
     assert key([_x(1)]) != key([_x()])                # 4 bytes off: not 16-byte aligned
     assert key([_x(4)]) == key([_x()])                # 16 bytes off: aligned
@@ -96,8 +98,9 @@ def test_second_launch_is_direct_with_constexprs_in_signature_order(gpu_like):
                                   y, 7, 0.25, 64, True)]
 
 
-@pytest.mark.parametrize("change", ["alignment", "int_class", "dtype", "constexpr", "options"])
-def test_launches_that_specialise_differently_go_through_triton(gpu_like, change):
+@pytest.mark.parametrize("change", ["alignment", "int_class", "dtype", "constexpr", "options",
+                                    "debug_knob", "instrumentation_knob"])
+def test_launches_that_specialise_differently_go_through_triton(gpu_like, monkeypatch, change):
     kernel = _Kernel()
     base = dict(x=_x(), n=5, kwargs={"BLOCK": 64, "num_warps": 4})
     L.run(kernel, (1,), (base["x"], base["n"], 1.0), base["kwargs"])
@@ -112,8 +115,16 @@ def test_launches_that_specialise_differently_go_through_triton(gpu_like, change
         x = _x(dtype=torch.float16)
     elif change == "constexpr":
         kwargs["BLOCK"] = 32
-    else:
+    elif change == "options":
         kwargs["num_warps"] = 8
+    elif change == "debug_knob":  # triton compiles a kernel with device-side assertions
+        from triton import knobs
+
+        monkeypatch.setattr(knobs.runtime, "debug", True)
+    else:
+        from triton import knobs
+
+        monkeypatch.setattr(knobs.compilation, "instrumentation_mode", "profile-test")
     L.run(kernel, (1,), (x, n, 1.0), kwargs)
     assert len(kernel.slow) == 2
     L.run(kernel, (1,), (x, n, 1.0), kwargs)
@@ -134,6 +145,26 @@ def test_launch_hooks_keep_launches_in_triton(gpu_like, monkeypatch):
     for _ in range(3):
         L.run(kernel, (1,), (_x(), 5, 1.0), {"BLOCK": 64})
     assert len(kernel.slow) == 3
+
+
+def test_callable_grids_and_pre_run_hooks_stay_with_triton(gpu_like):
+    kernel = _Kernel()
+    for _ in range(2):
+        L.run(kernel, lambda meta: (1,), (_x(), 5, 1.0), {"BLOCK": 64})
+    assert len(kernel.slow) == 2
+    kernel = _Kernel()
+    kernel.pre_run_hooks = [lambda *args, **kwargs: None]
+    for _ in range(2):
+        L.run(kernel, (1,), (_x(), 5, 1.0), {"BLOCK": 64})
+    assert len(kernel.slow) == 2
+
+
+def test_installed_triton_launches_as_mirrored():
+    # The direct path calls the compiled kernel's launcher with the arguments JITFunction.run
+    # passes; _supported finds that call in triton's source (else every launch goes through
+    # triton). triton 3.6 (the GPU machine) and 3.7 (this machine) have it.
+    L._supported_result = None
+    assert L._supported() is (torch.version.hip is None)
 
 
 def test_hooks_installed_reads_triton_knobs(monkeypatch):
