@@ -62,18 +62,24 @@ def arg_key(args) -> tuple:
 class _Direct:
     """A compiled kernel and the constexprs that follow the positional arguments in its signature."""
 
-    __slots__ = ("owner", "compiled", "tail", "extra")
+    __slots__ = ("owner", "compiled", "tail", "extra", "device")
 
-    def __init__(self, owner, compiled, tail: tuple, extra):
+    def __init__(self, owner, compiled, tail: tuple, extra, device: int):
         # owner: the kernel (or Tuned) whose id is in the key; kept so that the id stays its own.
-        self.owner, self.compiled, self.tail, self.extra = owner, compiled, tail, extra
+        self.owner, self.compiled, self.tail, self.extra, self.device = owner, compiled, tail, extra, device
 
-    def launch(self, grid, args, device: int) -> None:
+    def launch(self, grid, args) -> None:
         ck = self.compiled
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
-        ck.run(grid[0], g1, g2, _stream(device), ck.function,
+        ck.run(grid[0], g1, g2, _stream(self.device), ck.function,
                ck.packed_metadata, None, None, None, *args, *self.tail)
+
+
+def _entry(key, owner) -> _Direct | None:
+    """The launch remembered under ``key`` for ``owner`` (None when there is none, or no key)."""
+    entry = None if key is None else _direct.get(key)
+    return entry if entry is not None and entry.owner is owner else None
 
 
 _stream = None  # triton's driver.get_current_stream, bound on first use
@@ -88,9 +94,10 @@ def _direct_key(kernel, args, kwargs_items: tuple, extra=()) -> tuple | None:
     if not DIRECT or use_interpreter() or not _supported() or _hooks_installed():
         return None
     knobs = _triton_knobs()
+    instrumentation = getattr(getattr(knobs, "compilation", None), "instrumentation_mode", None)
     try:
         return (id(kernel), kwargs_items, extra, arg_key(args), torch.cuda.current_device(),
-                knobs.runtime.debug, getattr(getattr(knobs, "compilation", None), "instrumentation_mode", None))
+                knobs.runtime.debug, instrumentation)
     except TypeError:
         return None
 
@@ -139,8 +146,8 @@ def _triton_knobs():
 def _remember(key, kernel, compiled, args: tuple, kwargs: dict, extra=None, owner=None) -> None:
     """Keep ``compiled`` (what ``kernel[grid](*args, **kwargs)`` returned) for direct launches
     under ``key``, when every parameter after the positional arguments is given in ``kwargs`` or
-    has a default (triton has rejected the launch already if one was given twice). ``owner``: the object whose id
-    the key holds, when it is not ``kernel``."""
+    has a default (triton has rejected the launch already if one was given twice). ``owner``: the
+    object whose id the key holds, when it is not ``kernel``."""
     global _stream
     if key is None or compiled is None or not all(
             hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
@@ -162,7 +169,8 @@ def _remember(key, kernel, compiled, args: tuple, kwargs: dict, extra=None, owne
         _stream = driver.active.get_current_stream
     if len(_direct) >= _DIRECT_LIMIT:
         _direct.clear()
-    _direct[key] = _Direct(kernel if owner is None else owner, compiled, tuple(tail), extra)
+    device = key[4]  # the current device, as _direct_key put it in the key
+    _direct[key] = _Direct(kernel if owner is None else owner, compiled, tuple(tail), extra, device)
 
 
 def run(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
@@ -170,11 +178,10 @@ def run(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     same constexprs and argument key before (see the module docstring). ``grid``: a tuple (a
     callable grid always launches through triton)."""
     key = None if callable(grid) else _direct_key(kernel, args, tuple(kwargs.items()))
-    if key is not None:
-        entry = _direct.get(key)
-        if entry is not None and entry.owner is kernel:
-            entry.launch(grid, args, key[4])
-            return
+    entry = _entry(key, kernel)
+    if entry is not None:
+        entry.launch(grid, args)
+        return
     compiled = kernel[grid](*args, **kwargs)
     _remember(key, kernel, compiled, args, kwargs)
 
@@ -215,12 +222,10 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
     they are then warned once which configuration ran instead. Returns the configuration that ran.
     """
     direct = _direct_key(kernel, args, tuple(kwargs.items()), (tile_names, bm, bn, *meta.items()))
-    if direct is not None:
-        entry = _direct.get(direct)
-        if entry is not None and entry.owner is kernel:
-            ran = entry.extra
-            entry.launch(grid(ran[0], ran[1]), args, direct[4])
-            return ran
+    entry = _entry(direct, kernel)
+    if entry is not None:  # extra: the configuration that ran
+        entry.launch(grid(entry.extra[0], entry.extra[1]), args)
+        return entry.extra
     key = (id(kernel), tile_names, bm, bn, tuple(sorted(meta.items())),
            tuple(sorted((k, str(v)) for k, v in kwargs.items())))
     requested = (bm, bn, meta)
@@ -262,11 +267,10 @@ class Tuned:
         """``tuner[grid](*args, **kwargs)``; ``key`` holds the values of the tuner's ``key`` arguments
         (the dtypes of the tensor arguments are added here, as the autotuner does)."""
         direct = _direct_key(self, args, tuple(kwargs.items()), key)
-        if direct is not None:
-            entry = _direct.get(direct)
-            if entry is not None and entry.owner is self:
-                entry.launch(grid(entry.extra) if callable(grid) else grid, args, direct[4])
-                return
+        entry = _entry(direct, self)
+        if entry is not None:  # extra: the constexprs and options of the tuned configuration
+            entry.launch(grid(entry.extra) if callable(grid) else grid, args)
+            return
         full_key = (key, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
         config = self.chosen.get(full_key)
         if config is None and capturing():
