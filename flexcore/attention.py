@@ -41,37 +41,63 @@ def _full_block_mask(L: int, S: int, device: torch.device):
     return create_block_mask(noop_mask, None, None, L, S, device=device)
 
 
-_kv_blocks_cache: collections.OrderedDict = collections.OrderedDict()
+# BlockTensors views of the last few masks, by (id(mask), B, Hq, kind); see _mask_views.
+_views_cache: collections.OrderedDict = collections.OrderedDict()
 # Per BlockMask, the forward's launch orders (BlockTensors.schedule): they live as long as the mask,
 # as its own tables do, so that a captured CUDA graph that reads one never outlives it.
 _schedules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _kv_blocks(block_mask, B, Hq):
-    """The BlockMask's key-block tables viewed as (B, Hq, ...), remembered for the last few masks
-    (a decoding loop calls with the same mask at every step; the views share its storage)."""
-    from flexcore.kernels.forward import BlockTensors
-
-    key = (id(block_mask), B, Hq)
-    hit = _kv_blocks_cache.get(key)
-    if hit is not None and hit[0]() is block_mask:
-        return hit[1]
+def _mask_views(block_mask, B, Hq, kind, build, stamp=None):
+    """``build()`` remembered for the last few masks (a training or decoding loop calls with the
+    same mask at every step): entries hold the mask weakly and leave with it, so the cache never
+    keeps tables alive. ``stamp``: a value that must be unchanged for an entry to be reused."""
+    key = (id(block_mask), B, Hq, kind)
+    hit = _views_cache.get(key)
+    if hit is not None and hit[0]() is block_mask and hit[1] == stamp:
+        return hit[2]
     try:
         ref = weakref.ref(block_mask)
-        orders = _schedules.setdefault(block_mask, {})
     except TypeError:  # not weak-referenceable: do not remember it
-        ref = orders = None
-    blocks = BlockTensors.expanded(block_mask.kv_num_blocks, block_mask.kv_indices,
-                                   block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-                                   block_mask.BLOCK_SIZE, B, Hq, orders)
-    if ref is None:
-        return blocks
-    # Entries hold the mask weakly and leave with it, so the cache never keeps tables alive.
-    _kv_blocks_cache[key] = (ref, blocks)
-    weakref.finalize(block_mask, _kv_blocks_cache.pop, key, None)
-    while len(_kv_blocks_cache) > 16:
-        _kv_blocks_cache.popitem(last=False)
-    return blocks
+        return build()
+    views = build()
+    if hit is None:
+        weakref.finalize(block_mask, _views_cache.pop, key, None)
+    _views_cache[key] = (ref, stamp, views)
+    _views_cache.move_to_end(key)
+    while len(_views_cache) > 32:
+        _views_cache.popitem(last=False)
+    return views
+
+
+def _kv_blocks(block_mask, B, Hq):
+    """The BlockMask's key-block tables viewed as (B, Hq, ...) (the views share its storage)."""
+    from flexcore.kernels.forward import BlockTensors
+
+    def build():
+        try:
+            orders = _schedules.setdefault(block_mask, {})
+        except TypeError:  # not weak-referenceable: its orders live with these views
+            orders = None
+        return BlockTensors.expanded(block_mask.kv_num_blocks, block_mask.kv_indices,
+                                     block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+                                     block_mask.BLOCK_SIZE, B, Hq, orders)
+
+    return _mask_views(block_mask, B, Hq, "kv", build)
+
+
+def _q_blocks(block_mask, B, Hq):
+    """The backward's transposed tables (``flexcore.kernels.backward.q_block_tensors``). A mask
+    built without them (``compute_q_blocks=False``) has them computed once, not at every backward;
+    that transpose is reused while the key-block tables are unmodified (their version counters)."""
+    from flexcore.kernels.backward import q_block_tensors
+
+    stamp = None
+    if block_mask.q_indices is None:
+        stamp = tuple(None if t is None else (id(t), t._version)
+                      for t in (block_mask.kv_num_blocks, block_mask.kv_indices,
+                                block_mask.full_kv_num_blocks, block_mask.full_kv_indices))
+    return _mask_views(block_mask, B, Hq, "q", lambda: q_block_tensors(block_mask, B, Hq), stamp)
 
 
 def _run_kernels(query, key, value, score_lowered, mask_lowered, blocks, scale, opts):
@@ -102,15 +128,20 @@ class _FlexAttention(torch.autograd.Function):
         ctx.stats_from_lse = row_stats is None
         ctx.bwd = (score_lowered, mask_lowered, blocks, scale, opts, block_mask, score_mod)
         ctx.mark_non_differentiable(lse)
+        # lse has no gradient: autograd need not fill a zero tensor for it at every backward. The
+        # backward then takes None for an undefined gradient of out too (gradcheck sends one).
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
-        from flexcore.kernels.backward import backward, q_block_tensors
+        from flexcore.kernels.backward import backward
         from flexcore.kernels.forward import row_stats_from_lse
         from flexcore.lowering.vjp import lower_score_mod_backward
 
         query, key, value, out, row_stats = ctx.saved_tensors
+        if grad_out is None:  # an undefined gradient (not materialised, see forward): none flows back
+            return (None,) * (10 + len(ctx.bwd[0].captured))
         if ctx.stats_from_lse:
             row_stats = row_stats_from_lse(row_stats)
         score_lowered, mask_lowered, blocks, scale, opts, block_mask, score_mod = ctx.bwd
@@ -119,7 +150,7 @@ class _FlexAttention(torch.autograd.Function):
             query, key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1), out, row_stats, grad_out,
             score_lowered, lower_score_mod_backward(score_mod, score_lowered, query.dtype if query.dtype == torch.float64 else torch.float32),
             mask_lowered,
-            blocks, q_block_tensors(block_mask, B, Hq), scale, opts)
+            blocks, _q_blocks(block_mask, B, Hq), scale, opts)
         if key.shape[0] != B:  # a shared batch-1 cache: its gradient sums over the batch
             dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
         return (dq, dk, dv, None, None, None, None, None, None, None, *captured_grads)

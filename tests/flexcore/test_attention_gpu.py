@@ -66,7 +66,7 @@ def test_longest_first_order_in_cuda_graphs():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = flex_attention(q, k, v, block_mask=bm)
-        attention._kv_blocks_cache.clear()  # the views go; the mask keeps its orders
+        attention._views_cache.clear()  # the views go; the mask keeps its orders
         torch.cuda.empty_cache()
         graph.replay()
         # Program order does not change any program's arithmetic: bit-identical to eager.

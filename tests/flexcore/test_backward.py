@@ -445,6 +445,54 @@ def test_backward_kernels_float64():
         assert (a - g).abs().max() <= 1e-12 * max(1.0, g.abs().max().item())
 
 
+def test_backward_of_a_mask_without_q_tables():
+    # compute_q_blocks=False: the backward transposes the key-block tables once per mask and reuses
+    # that transpose while they are unmodified; an in-place change to them is seen by the next
+    # backward. Gradients against the float64 reference each time (torch's float32 error as scale).
+    from flexcore import attention
+    from flexcore.blockmask import BlockMask
+    from tests.flexcore.compare import rel_err
+
+    gen = torch.Generator().manual_seed(seed_of("no_q_tables"))
+    B, H, L, D, blk = 1, 2, 64, 16, 16
+    n = L // blk
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    num = torch.arange(1, n + 1, dtype=torch.int32).expand(B, H, n).contiguous()
+    idx = torch.arange(n, dtype=torch.int32).expand(B, H, n, n).contiguous()
+    bm = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=blk, mask_mod=causal, compute_q_blocks=False)
+    assert bm.q_indices is None
+    q, k, v = (torch.randn(B, H, L, D, generator=gen).requires_grad_() for _ in range(3))
+    grad_out = torch.randn(B, H, L, D, generator=gen)
+
+    def check(what):
+        grads = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm), (q, k, v), grad_out)
+        x64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        golden = torch.autograd.grad(flex_attention_reference(*x64, block_mask=bm), x64,
+                                     grad_out.double())
+        base = torch.autograd.grad(flex_attention_reference(q, k, v, block_mask=bm, upcast=False),
+                                   (q, k, v), grad_out)
+        for name, g, gold, b in zip("qkv", grads, golden, base):
+            assert rel_err(g, gold) <= 2 * rel_err(b, gold) + 1e-6, f"{what}: d{name}"
+        return grads
+
+    check("first backward")
+    tables = attention._q_blocks(bm, B, H)
+    check("second backward")
+    assert attention._q_blocks(bm, B, H) is tables  # transposed once
+    # Drop the last key block of the last query row in place: the next backward sees it.
+    bm.kv_num_blocks[..., -1] = n - 1
+    grads = check("after an in-place change")
+    assert attention._q_blocks(bm, B, H) is not tables
+    assert grads[1][..., L - blk:, :].abs().max() == 0  # that key block no longer gets gradients
+    key = (id(bm), B, H, "q")
+    assert key in attention._views_cache
+    del bm, tables
+    assert key not in attention._views_cache  # entries leave with their mask
+
+
 # -- GPU -------------------------------------------------------------------------------------------
 
 _GPU_SHAPES = {s.name: s for s in GPU_SHAPES if s.L * s.S <= 4096 * 4096}
