@@ -222,10 +222,8 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
 
-    qn = q_blocks.full_num_blocks if q_blocks.full_num_blocks is not None else q_blocks.num_blocks
-    qi = q_blocks.full_indices if q_blocks.full_indices is not None else q_blocks.indices
-    kn = kv_blocks.full_num_blocks if kv_blocks.full_num_blocks is not None else kv_blocks.num_blocks
-    ki = kv_blocks.full_indices if kv_blocks.full_indices is not None else kv_blocks.indices
+    qn, qi = q_blocks.full_tables()
+    kn, ki = kv_blocks.full_tables()
     args = (
         q, k, v, grad_out, dq, dk, dv, row_stats, delta,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
@@ -236,9 +234,9 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         B * Hq * L, L, S, Hq, Hkv, scale, scale * _LOG2E, *caps, *grad_args)
     by_table = _head_dim_key(max(head_dim_pad, head_dim_v_pad)) in _FUSED_HEAD_DIMS
     tma = use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, TMA)
-    common.update(GQA_GROUP=Hq // Hkv, WRITE_CAPTURED_GRADS=bool(grad_buffers), USE_TMA=tma)
-    kernel = module.flex_bwd_kernel
     gqa = Hq // Hkv
+    common.update(GQA_GROUP=gqa, WRITE_CAPTURED_GRADS=bool(grad_buffers), USE_TMA=tma)
+    kernel = module.flex_bwd_kernel
 
     def run_split():
         launch(kernel, lambda bm, bn: (math.ceil(S / bn), B * Hkv), args, bm1, bn1, meta1,

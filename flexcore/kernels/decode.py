@@ -218,8 +218,7 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
         counters = _split_counters(q.device, tiles)
     else:
         part_out, part_lse = out, lse  # unused: the kernel writes the result itself
-    full_n = blocks.full_num_blocks if blocks.full_num_blocks is not None else blocks.num_blocks
-    full_i = blocks.full_indices if blocks.full_indices is not None else blocks.indices
+    full_n, full_i = blocks.full_tables()
     upcast = use_interpreter() and q.dtype != torch.float32
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
 

@@ -49,6 +49,13 @@ class BlockTensors:
         return cls(expand(num_blocks), expand(indices), expand(full_num_blocks),
                    expand(full_indices), tuple(sparse_block), {} if orders is None else orders)
 
+    def full_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(full_num_blocks, full_indices); for tables without full blocks, the partial ones stand in
+        as the kernels' pointer arguments (HAS_FULL_BLOCKS is then False and they are not read)."""
+        if self.full_num_blocks is None:
+            return self.num_blocks, self.indices
+        return self.full_num_blocks, self.full_indices
+
     def schedule(self, rows: int, group: int, min_mean_blocks: float = 0.0) -> torch.Tensor | None:
         """int32 launch order of the (batch·head, mask row) tiles of the first ``rows`` mask rows,
         flattened as ``bh * rows + row``, or None where the natural order serves as well.
@@ -252,8 +259,7 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     q_rows = math.ceil(L / sparse_q)
     group = SCHEDULE_GROUP
     order = None if group is None else blocks.schedule(q_rows, group, SCHEDULE_MIN_BLOCKS)
-    full_n = blocks.full_num_blocks if blocks.full_num_blocks is not None else blocks.num_blocks
-    full_i = blocks.full_indices if blocks.full_indices is not None else blocks.indices
+    full_n, full_i = blocks.full_tables()
     upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
 
