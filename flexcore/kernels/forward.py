@@ -65,22 +65,70 @@ class BlockTensors:
         last programs of the grid are short and no SM idles behind a long one. Length counts
         partial blocks 5/4 of a full one (:meth:`row_cost`). None when every row has the same work
         (nothing to reorder) or when rows visit fewer than ``min_mean_blocks`` blocks on average.
-        Cached per (B, H, rows, group, min_mean_blocks); the first call reads three numbers back
-        from the device, so inside a CUDA graph capture it answers None until a call outside one
-        has computed the order.
+        Cached per (B, H, rows, group, min_mean_blocks); computing it needs :meth:`stats`, so
+        inside a CUDA graph capture it answers None until a call outside one has computed them.
         """
         key = (*self.num_blocks.shape[:2], rows, group, min_mean_blocks)
         if key not in self._orders:
-            if capturing():
+            stats = self.stats(rows)
+            if stats is None:
                 return None
-            cost = self.row_cost(rows).reshape(-1)
+            low, high, total = stats[:3]
             order = None
-            if cost.numel():
-                low, high, total = (int(x) for x in torch.stack([cost.min(), cost.max(), cost.sum()]).tolist())
-                if low != high and total >= 4 * min_mean_blocks * cost.numel():
-                    order = longest_first(cost, group).to(torch.int32)
+            if low != high and total >= 4 * min_mean_blocks * self.num_blocks[..., :rows].numel():
+                order = longest_first(self.row_cost(rows).reshape(-1), group).to(torch.int32)
             self._orders[key] = order
         return self._orders[key]
+
+    def stats(self, rows: int) -> tuple[int, int, int, int, int, int] | None:
+        """Over the first ``rows`` mask rows of every batch and head: the least, most and total
+        :meth:`row_cost`, the total partial blocks, the least full blocks, and the number of rows
+        whose full blocks are not one ascending run of consecutive blocks; all 0 when there are
+        none. One read-back from the device, cached per (B, H, rows) as long as the schedules
+        are; None inside a CUDA graph capture when not computed yet (a read-back would break the
+        capture)."""
+        key = ("stats", *self.num_blocks.shape[:2], rows)
+        if key not in self._orders:
+            if capturing():
+                return None
+            cost = self.row_cost(rows)
+            stats = (0, 0, 0, 0, 0, 0)
+            if cost.numel():
+                zero = cost.new_zeros(())
+                full_low = broken = zero
+                if self.full_num_blocks is not None:
+                    # Listed indices increase strictly (BlockMask checks it): a row is one run when
+                    # its last listed index is its first plus the count less one.
+                    n = self.full_num_blocks[..., :rows].to(torch.int64)
+                    idx = self.full_indices[..., :rows, :].to(torch.int64)
+                    last = idx.gather(-1, (n - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+                    broken = ((n > 0) & (last - idx[..., 0] != n - 1)).sum()
+                    full_low = n.min()
+                stats = tuple(int(x) for x in torch.stack([
+                    cost.min(), cost.max(), cost.sum(), self.num_blocks[..., :rows].sum().to(torch.int64),
+                    full_low, broken]).tolist())
+            self._orders[key] = stats
+        return self._orders[key]
+
+    def full_runs(self, rows: int) -> bool:
+        """Whether the full blocks of each of the first ``rows`` mask rows are one ascending run
+        of consecutive blocks (causal, sliding-window, prefix and document masks): the forward
+        then steps over them from the first index instead of reading one index per tile. False
+        inside a CUDA graph capture until a call outside one has computed :meth:`stats`."""
+        if self.full_num_blocks is None:
+            return False
+        stats = self.stats(rows)
+        return stats is not None and stats[5] == 0
+
+    def all_full(self, rows: int, kv_blocks: int) -> bool:
+        """Whether each of the first ``rows`` mask rows lists all ``kv_blocks`` key blocks as full
+        blocks and none as partial (no mask, noop_mask): the forward's dense path then visits
+        every key tile without reading the tables. False inside a CUDA graph capture until a call
+        outside one has computed :meth:`stats`."""
+        if self.full_num_blocks is None or kv_blocks <= 0:
+            return False
+        stats = self.stats(rows)
+        return stats is not None and stats[3] == 0 and stats[4] == kv_blocks and rows > 0
 
     def row_cost(self, rows: int) -> torch.Tensor:
         """(B, H, rows) int64: the work of each of the first ``rows`` mask rows, in quarter blocks:
@@ -185,7 +233,27 @@ def use_tma(tensors, head_dims_padded: bool, force: bool | None = None) -> bool:
     return True
 
 
-def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: int):
+# The dense path's candidates (masks whose blocks are all full), as _GPU_CONFIGS. Measured on an
+# H200 (bench/NOTES.md entry 26): at D=64 three stages win on the dense loop.
+_DENSE_CONFIGS = {
+    64: [(128, 128, 4, 3), (128, 128, 4, 2), (64, 64, 4, 2)],
+    128: [(128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3)],
+}
+# False keeps all-full masks on the block-table path (benchmarks, tests).
+DENSE = True
+# False reads one index per full tile even where a mask's full blocks are consecutive.
+FULL_RUNS = True
+
+
+def _candidates(head_dim_pad: int, itemsize: int, dense: bool) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) candidates, best first."""
+    if dense and itemsize == 2 and head_dim_pad in _DENSE_CONFIGS:
+        return _DENSE_CONFIGS[head_dim_pad]
+    return gpu_configs(head_dim_pad, itemsize)
+
+
+def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: int,
+              dense: bool = False):
     """Return (kernel, fixed_meta) where fixed_meta holds the tile constexprs when not autotuning."""
     kernel = module.flex_forward_kernel
     sparse_q, sparse_kv = sparse
@@ -194,8 +262,9 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
         bn = _check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(64, sparse_kv, "key")
         return kernel, dict(BLOCK_M=bm, BLOCK_N=bn)
     itemsize = torch.empty((), dtype=dtype).element_size()
+    candidates = _candidates(head_dim_pad, itemsize, dense)
     if opts.BLOCK_M or opts.BLOCK_N or not opts.autotune:
-        m, n, w, s = gpu_configs(head_dim_pad, itemsize)[0]
+        m, n, w, s = candidates[0]
         bm = _check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(m, sparse_q, "query")
         bn = _check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(n, sparse_kv, "key")
         return kernel, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=opts.num_warps or w,
@@ -203,15 +272,16 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
     import triton
 
     length_bucket = min(max(q_len, 1).bit_length(), 15)
-    key = (module.__name__, head_dim_pad, dtype, sparse, length_bucket, opts.num_warps, opts.num_stages)
+    key = (module.__name__, head_dim_pad, dtype, sparse, length_bucket, opts.num_warps, opts.num_stages,
+           dense)
     tuner = _autotuners.get(key)
     if tuner is None:
         configs = []
-        for m, n, w, s in gpu_configs(head_dim_pad, itemsize):
+        for m, n, w, s in candidates:
             if sparse_q % m or sparse_kv % n:
                 continue
-            configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=opts.num_warps or w,
-                                         num_stages=opts.num_stages or s))
+            configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n},
+                                         num_warps=opts.num_warps or w, num_stages=opts.num_stages or s))
         if not configs:
             m, n = fit_tile(128, sparse_q, "query"), fit_tile(64, sparse_kv, "key")
             configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=2)]
@@ -253,12 +323,15 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     lse = torch.empty((B, Hq, L), dtype=acc_dtype, device=q.device)
     row_stats = torch.empty((2, B, Hq, L), dtype=acc_dtype, device=q.device)  # see RowStats
     head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
-    kernel, meta = _launcher(module, max(head_dim_pad, head_dim_v_pad), q.dtype, blocks.sparse_block,
-                             opts, L)
     sparse_q, sparse_kv = blocks.sparse_block
     q_rows = math.ceil(L / sparse_q)
+    tma = use_tma((k, v), head_dim_pad == D and head_dim_v_pad == Dv, TMA)
+    dense = DENSE and blocks.all_full(q_rows, math.ceil(S / sparse_kv))
+    runs = FULL_RUNS and not dense and blocks.full_runs(q_rows)
+    kernel, meta = _launcher(module, max(head_dim_pad, head_dim_v_pad), q.dtype, blocks.sparse_block,
+                             opts, L, dense)
     group = SCHEDULE_GROUP
-    order = None if group is None else blocks.schedule(q_rows, group, SCHEDULE_MIN_BLOCKS)
+    order = None if group is None or dense else blocks.schedule(q_rows, group, SCHEDULE_MIN_BLOCKS)
     full_n, full_i = blocks.full_tables()
     upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
@@ -283,8 +356,7 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         # The trivial path folds the scale into the row max, which needs scale > 0.
         SCORE_IS_TRIVIAL=score_lowered.is_trivial and scale > 0, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
         ACC_DTYPE=tl.float64 if fp64 else tl.float32,
-        USE_TMA=use_tma((k, v), head_dim_pad == D and head_dim_v_pad == Dv, TMA),
-        USE_ORDER=order is not None,
+        USE_TMA=tma, USE_ORDER=order is not None, DENSE=dense, FULL_RUNS=runs,
     )
     if order is not None:
         def grid(bm, _bn):  # one program per tile, in the order's order

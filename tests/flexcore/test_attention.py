@@ -320,6 +320,77 @@ def test_longest_first_launch_matches_reference(monkeypatch, shape, options, gro
     monkeypatch.setattr(fwd.BlockTensors, "schedule", spy)
     check_forward(shape, mod_name, torch.float32, seed=seed_of("order", mod_name, shape.name),
                   kernel_options=options)
-    # Rows alike get the natural order: noop everywhere, and_or's two partial blocks per row
-    # at ragged_tail.
-    assert used == [mod_name != "noop" and (mod_name, shape.name) != ("and_or", "ragged_tail")]
+    # noop takes the dense path, which has no order; rows alike get the natural order (and_or's
+    # two partial blocks per row at ragged_tail).
+    assert used == ([] if mod_name == "noop" else [(mod_name, shape.name) != ("and_or", "ragged_tail")])
+
+
+def _stripes(b, h, q_idx, kv_idx):
+    # With 32-key blocks: blocks 0, 2, 4, ... full and the others empty, so no row's full blocks
+    # form one run.
+    return (kv_idx // 32) % 2 == 0
+
+
+def _path_spy(monkeypatch):
+    """Record (DENSE, FULL_RUNS) of each forward launch."""
+    from flexcore.kernels import forward as fwd
+
+    seen = []
+    real = fwd.launch
+
+    def spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
+        seen.append((constexprs["DENSE"], constexprs["FULL_RUNS"]))
+        return real(kernel, grid, args, bm, bn, meta, constexprs, **kw)
+
+    monkeypatch.setattr(fwd, "launch", spy)
+    return seen
+
+
+def test_block_paths_are_chosen_from_the_tables():
+    from flexcore.attention import _kv_blocks
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    cases = {  # mask: (all full, full blocks in one run per row)
+        "noop": (lambda b, h, q, kv: q >= 0, True, True),
+        "causal": (causal, False, True),
+        "stripes": (_stripes, False, False),
+        "empty": (lambda b, h, q, kv: q < 0, False, True),  # nothing listed: trivially runs
+    }
+    for name, (mask_mod, dense, runs) in cases.items():
+        bm = create_block_mask(mask_mod, None, None, 100, 200, device="cpu", BLOCK_SIZE=32)
+        blocks = _kv_blocks(bm, 2, 3)
+        assert blocks.all_full(4, 7) is dense, name
+        assert blocks.full_runs(4) is runs, name
+    # A mask whose rows list every block, but one row lists one as partial: not dense.
+    bm = create_block_mask(lambda b, h, q, kv: (q >= 0) & ((q > 0) | (kv > 0)), None, None, 100, 200,
+                           device="cpu", BLOCK_SIZE=32)
+    assert not _kv_blocks(bm, 1, 1).all_full(4, 7)
+    assert _kv_blocks(bm, 1, 1).full_runs(4)  # row 0 lists blocks 1..6 as full: one run
+
+
+@pytest.mark.parametrize("mod_name", ["noop", "softcap", "causal", "prefix_lm", "document", "stripes"])
+@pytest.mark.parametrize("paths", ["chosen", "tables"])
+def test_dense_run_and_table_paths_match_reference(monkeypatch, mod_name, paths):
+    """All-full masks take the dense loop, masks whose full blocks are consecutive step over them
+    without reading indices, the rest read one index per tile; each against the float64 reference,
+    at ragged lengths with GQA (the last key block is short)."""
+    from flexcore.kernels import forward as fwd
+
+    if paths == "tables":
+        monkeypatch.setattr(fwd, "DENSE", False)
+        monkeypatch.setattr(fwd, "FULL_RUNS", False)
+    seen = _path_spy(monkeypatch)
+    shape = Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=32, Dv=32, block=32)
+    if mod_name == "stripes":
+        gen = torch.Generator().manual_seed(seed_of("stripes", paths))
+        q, k, v = shape.qkv(torch.float32, "cpu", gen)
+        bm = create_block_mask(_stripes, None, None, shape.L, shape.S, device="cpu", BLOCK_SIZE=32)
+        out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+        assert_matches_reference(q, k, v, None, bm, out, lse, "stripes")
+    else:
+        check_forward(shape, mod_name, torch.float32, seed=seed_of("paths", mod_name, paths))
+    chosen = {"noop": (True, False), "softcap": (True, False), "stripes": (False, False)}
+    expected = (False, False) if paths == "tables" else chosen.get(mod_name, (False, True))
+    assert seen == [expected]

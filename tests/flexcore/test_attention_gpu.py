@@ -40,6 +40,37 @@ def test_forward_longest_first_gpu(monkeypatch, shape, mod_name):
                   kernel_options=options, device="cuda")
 
 
+@pytest.mark.parametrize("shape", [GPU_SHAPES[0], GPU_SHAPES[1], GPU_SHAPES[2]], ids=lambda s: s.name)
+@pytest.mark.parametrize("mod_name", MOD_NAMES)
+def test_forward_table_path_gpu(monkeypatch, shape, mod_name):
+    # Full blocks read one index per tile (the path of masks whose full blocks are not one run;
+    # the matrix above takes the dense and run paths wherever they apply).
+    from flexcore.kernels import forward as fwd
+
+    monkeypatch.setattr(fwd, "DENSE", False)
+    monkeypatch.setattr(fwd, "FULL_RUNS", False)
+    options = None if shape.name == "gpu_1k" else {"autotune": False}
+    check_forward(shape, mod_name, torch.bfloat16, seed=seed_of("tables", mod_name, shape.name),
+                  kernel_options=options, device="cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_forward_stripes_gpu(dtype):
+    # Full blocks 0, 2, 4, ...: not one run, so the table path, with autotuning, ragged lengths.
+    from flexcore import create_block_mask, flex_attention
+    from tests.flexcore.cases import Shape
+    from tests.flexcore.compare import assert_matches_reference
+
+    def stripes(b, h, q_idx, kv_idx):
+        return (kv_idx // 128) % 2 == 0
+
+    shape = Shape("stripes", B=2, Hq=8, Hkv=2, L=1500, S=2000, D=128, Dv=128, block=128)
+    q, k, v = (t.cuda() for t in shape.qkv(dtype, "cpu", torch.Generator().manual_seed(5)))
+    bm = create_block_mask(stripes, None, None, shape.L, shape.S, device="cuda")
+    out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    assert_matches_reference(q, k, v, None, bm, out, lse, f"stripes/{dtype}")
+
+
 def test_longest_first_order_in_cuda_graphs():
     # A capture cannot read the costs back: it launches in the natural order. Once an eager call
     # computed the order, a capture reads it, and the order lives as long as the mask does.
