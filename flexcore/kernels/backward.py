@@ -92,6 +92,14 @@ _FUSED_HEAD_DIMS = frozenset({128})
 # in the backward, slower as often as faster (bench/NOTES.md entry 18).
 # None decides by the GPU and the layout; True forces them (tests).
 TMA: bool | None = False
+# Full blocks that form one run per row (BlockTensors.full_runs) are stepped over from the first
+# index, without reading one index per tile, as in the forward. Measured on an H200 (bench/NOTES.md
+# entry 27): +3-9% forward+backward at head dim 64; at 128 +3% with a score_mod that reads the
+# positions (ALiBi) and -2% to +0.4% without one, so there only with a score_mod. False reads the
+# tables on every path (benchmarks, tests).
+FULL_RUNS = True
+FULL_RUNS_MAX_HEAD_DIM = 64  # larger head dims take the run path only with a score_mod
+
 # One launch for the dK/dV and dQ programs, which then share num_warps and num_stages: None times
 # one launch against two per kernel and size bucket where _FUSED_HEAD_DIMS allows it (the first
 # backward of each); True/False force it (a launch that runs out of shared memory splits anyway).
@@ -235,7 +243,11 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     by_table = _head_dim_key(max(head_dim_pad, head_dim_v_pad)) in _FUSED_HEAD_DIMS
     tma = use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, TMA)
     gqa = Hq // Hkv
-    common.update(GQA_GROUP=gqa, WRITE_CAPTURED_GRADS=bool(grad_buffers), USE_TMA=tma)
+    runs = FULL_RUNS and (max(head_dim_pad, head_dim_v_pad) <= FULL_RUNS_MAX_HEAD_DIM
+                          or not score_lowered.is_trivial)
+    common.update(GQA_GROUP=gqa, WRITE_CAPTURED_GRADS=bool(grad_buffers), USE_TMA=tma,
+                  FULL_Q_RUNS=runs and q_blocks.full_runs(math.ceil(S / sparse_kv)),
+                  FULL_KV_RUNS=runs and kv_blocks.full_runs(math.ceil(L / sparse_q)))
     kernel = module.flex_bwd_kernel
 
     def run_split():

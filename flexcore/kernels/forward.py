@@ -99,10 +99,11 @@ class BlockTensors:
                 if self.full_num_blocks is not None:
                     # Listed indices increase strictly (BlockMask checks it): a row is one run when
                     # its last listed index is its first plus the count less one.
+                    # Only (B, H, rows) values are gathered: the tables may be broadcast views.
                     n = self.full_num_blocks[..., :rows].to(torch.int64)
-                    idx = self.full_indices[..., :rows, :].to(torch.int64)
-                    last = idx.gather(-1, (n - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
-                    broken = ((n > 0) & (last - idx[..., 0] != n - 1)).sum()
+                    idx = self.full_indices[..., :rows, :]
+                    last = idx.gather(-1, (n - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1).to(torch.int64)
+                    broken = ((n > 0) & (last - idx[..., 0].to(torch.int64) != n - 1)).sum()
                     full_low = n.min()
                 stats = tuple(int(x) for x in torch.stack([
                     cost.min(), cost.max(), cost.sum(), self.num_blocks[..., :rows].sum().to(torch.int64),

@@ -121,6 +121,13 @@ def make_mods(name: str, shape: Shape, device, generator=None):
             return (q_idx + offset - kv_idx).abs() < 16
 
         return None, or_masks(and_masks(causal, even), near)
+    if name == "stripes":  # not in MOD_NAMES: key blocks 0, 2, 4, ... full, the others empty (no run)
+        width = shape.block if isinstance(shape.block, int) else shape.block[1]
+
+        def stripes(b, h, q_idx, kv_idx):
+            return (kv_idx // width) % 2 == 0
+
+        return None, stripes
     raise KeyError(name)
 
 

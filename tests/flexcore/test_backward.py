@@ -445,6 +445,35 @@ def test_backward_kernels_float64():
         assert (a - g).abs().max() <= 1e-12 * max(1.0, g.abs().max().item())
 
 
+@pytest.mark.parametrize("mod_name", ["noop", "causal", "prefix_lm", "document", "stripes"])
+@pytest.mark.parametrize("paths", ["chosen", "tables"])
+def test_run_and_table_paths(monkeypatch, mod_name, paths):
+    """Full blocks stepped over as one run per row (dK/dV over the transposed tables, dQ over the
+    key-block tables) or read from the tables, against the float64 gradients, at ragged lengths
+    with GQA; which rows form runs is read from the tables."""
+    from flexcore.kernels import backward as bwd
+    from flexcore.kernels import forward as fwd
+
+    if paths == "tables":
+        for module in (fwd, bwd):
+            monkeypatch.setattr(module, "FULL_RUNS", False)
+        monkeypatch.setattr(fwd, "DENSE", False)
+    seen = []
+    real = fwd.BlockTensors.full_runs
+
+    def spy(self, rows):
+        seen.append(real(self, rows))
+        return seen[-1]
+
+    monkeypatch.setattr(fwd.BlockTensors, "full_runs", spy)
+    shape = Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=32, Dv=32, block=32)
+    check_backward(shape, mod_name, torch.float32, seed=seed_of("bwd_paths", mod_name, paths))
+    # The forward asks about its key-block tables (not on the dense path), then the backward about
+    # the transposed tables and the key-block tables. A stripe of full keys is full for every query.
+    expected = {"noop": [True, True], "stripes": [False, True, False]}.get(mod_name, [True] * 3)
+    assert seen == ([] if paths == "tables" else expected)
+
+
 def test_backward_of_a_mask_without_q_tables():
     # compute_q_blocks=False: the backward transposes the key-block tables once per mask and reuses
     # that transpose while they are unmodified; an in-place change to them is seen by the next
@@ -514,6 +543,24 @@ _GPU_CASES = ([("gpu_1k", m, torch.bfloat16) for m in MOD_NAMES]
 def test_backward_gpu(shape_name, mod_name, dtype):
     check_backward(_GPU_SHAPES[shape_name], mod_name, dtype, seed=seed_of("gpu", mod_name, shape_name),
                    device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape_name,mod_name", [("gpu_1k", "causal"), ("gpu_1k", "alibi"),
+                                                 ("gpu_ragged", "prefix_lm"), ("gpu_ragged", "document"),
+                                                 ("gpu_gqa", "sliding_window"), ("gpu_ragged", "stripes")])
+def test_backward_table_path_gpu(monkeypatch, shape_name, mod_name):
+    # Every full block read from the tables (the matrix above steps over runs wherever they apply);
+    # stripes has no runs on either path.
+    from flexcore.kernels import backward as bwd
+    from flexcore.kernels import forward as fwd
+
+    if mod_name != "stripes":
+        for module in (fwd, bwd):
+            monkeypatch.setattr(module, "FULL_RUNS", False)
+    check_backward(_GPU_SHAPES[shape_name], mod_name, torch.bfloat16,
+                   seed=seed_of("gpu_tables", mod_name, shape_name), device="cuda")
 
 
 @pytest.mark.gpu
