@@ -94,8 +94,7 @@ class BlockTensors:
             cost = self.row_cost(rows)
             stats = (0, 0, 0, 0, 0, 0)
             if cost.numel():
-                zero = cost.new_zeros(())
-                full_low = broken = zero
+                full_low = broken = cost.new_zeros(())
                 if self.full_num_blocks is not None:
                     # Listed indices increase strictly (BlockMask checks it): a row is one run when
                     # its last listed index is its first plus the count less one.

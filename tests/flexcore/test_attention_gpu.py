@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.flexcore.cases import GPU_SHAPES, MOD_NAMES
+from tests.flexcore.cases import GPU_SHAPES, MOD_NAMES, Shape
 from tests.flexcore.compare import seed_of
 from tests.flexcore.test_attention import check_forward
 
@@ -57,18 +57,8 @@ def test_forward_table_path_gpu(monkeypatch, shape, mod_name):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_forward_stripes_gpu(dtype):
     # Full blocks 0, 2, 4, ...: not one run, so the table path, with autotuning, ragged lengths.
-    from flexcore import create_block_mask, flex_attention
-    from tests.flexcore.cases import Shape
-    from tests.flexcore.compare import assert_matches_reference
-
-    def stripes(b, h, q_idx, kv_idx):
-        return (kv_idx // 128) % 2 == 0
-
     shape = Shape("stripes", B=2, Hq=8, Hkv=2, L=1500, S=2000, D=128, Dv=128, block=128)
-    q, k, v = (t.cuda() for t in shape.qkv(dtype, "cpu", torch.Generator().manual_seed(5)))
-    bm = create_block_mask(stripes, None, None, shape.L, shape.S, device="cuda")
-    out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
-    assert_matches_reference(q, k, v, None, bm, out, lse, f"stripes/{dtype}")
+    check_forward(shape, "stripes", dtype, seed=seed_of("stripes", str(dtype)), device="cuda")
 
 
 def test_longest_first_order_in_cuda_graphs():
