@@ -100,12 +100,37 @@ def _q_blocks(block_mask, B, Hq):
     return _mask_views(block_mask, B, Hq, "q", lambda: q_block_tensors(block_mask, B, Hq), stamp)
 
 
+def _decodes(query, opts) -> bool:
+    """Whether the decode kernel runs the forward (short queries), rather than the forward kernel."""
+    from flexcore.kernels.decode import use_decode_kernel
+
+    return query.dtype != torch.float64 and use_decode_kernel(query.shape[2], opts)
+
+
+def _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, opts) -> None:
+    """Before a forward that autograd will differentiate: read back the transposed tables'
+    statistics that the backward will ask for together with the key-block tables' ones that the
+    forward asks for (one wait on the GPU per new mask instead of two; nothing when both are known)."""
+    from flexcore.kernels.backward import uses_runs
+    from flexcore.kernels.forward import gather_stats, pad_head_dim
+
+    if _decodes(query, opts):
+        return
+    head_dim_pad = max(pad_head_dim(query.shape[-1]), pad_head_dim(value.shape[-1]))
+    if not uses_runs(head_dim_pad, score_lowered.is_trivial):
+        return
+    B, Hq, L = query.shape[:3]
+    sparse_q, sparse_kv = blocks.sparse_block
+    gather_stats([(blocks, math.ceil(L / sparse_q)),
+                  (_q_blocks(block_mask, B, Hq), math.ceil(key.shape[2] / sparse_kv))])
+
+
 def _run_kernels(query, key, value, score_lowered, mask_lowered, blocks, scale, opts):
     """(out, lse, row_stats) of the forward or the decode kernel; row_stats is None from decode."""
-    from flexcore.kernels.decode import decode, use_decode_kernel
+    from flexcore.kernels.decode import decode
     from flexcore.kernels.forward import forward
 
-    if query.dtype != torch.float64 and use_decode_kernel(query.shape[2], opts):
+    if _decodes(query, opts):
         out, lse = decode(query, key, value, score_lowered, mask_lowered, blocks, scale, opts)
         return out, lse, None
     B = query.shape[0]
@@ -201,6 +226,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
     blocks = _kv_blocks(block_mask, B, Hq)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
                                     or any(t.requires_grad for t in score_lowered.captured)):
+        _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, opts)
         out, lse = _FlexAttention.apply(query, key, value, score_lowered, mask_lowered, blocks, scale,
                                         opts, block_mask, score_mod, *score_lowered.captured)
     else:  # inference (decoding steps above all): no autograd node, no saved tensors

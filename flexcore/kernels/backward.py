@@ -100,6 +100,12 @@ TMA: bool | None = False
 FULL_RUNS = True
 FULL_RUNS_MAX_HEAD_DIM = 64  # larger head dims take the run path only with a score_mod
 
+# 16-bit inputs: probabilities are recomputed as exp2(s - lse2) with lse2 = m + log2(l) per row,
+# computed by the preprocessing kernel, instead of exp2(s - m) * (1/l): one product less per score
+# in both kinds of program. lse2's float32 rounding (|lse2| * 2**-24 in the exponent) is far below
+# the 16-bit rounding of p. Float32 and float64 inputs keep (m, 1/l). False: (m, 1/l) everywhere.
+P_FROM_LSE = True
+
 # One launch for the dK/dV and dQ programs, which then share num_warps and num_stages: None times
 # one launch against two per kernel and size bucket where _FUSED_HEAD_DIMS allows it (the first
 # backward of each); True/False force it (a launch that runs out of shared memory splits anyway).
@@ -159,6 +165,12 @@ def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int,
     return configs[0], configs[1]
 
 
+def uses_runs(head_dim_pad: int, score_is_trivial: bool) -> bool:
+    """Whether the backward may step over runs of full blocks (FULL_RUNS), and so reads the
+    tables' :meth:`BlockTensors.stats` (see FULL_RUNS_MAX_HEAD_DIM)."""
+    return FULL_RUNS and (head_dim_pad <= FULL_RUNS_MAX_HEAD_DIM or not score_is_trivial)
+
+
 def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
              kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions):
     """Gradients of flex_attention's output with respect to q, k, v and the score_mod's captures.
@@ -206,11 +218,18 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     import triton.language as tl  # after load_module: the interpreter is set up by then
 
     common["ACC_DTYPE"] = tl.float64 if acc_dtype == torch.float64 else tl.float32
-    delta = torch.empty((B, Hq, L), dtype=acc_dtype, device=q.device)
+    # delta = rowsum(dO * O), and with P_FROM_LSE the rows' lse2 = m + log2(l), in one buffer.
+    p_from_lse = P_FROM_LSE and itemsize == 2
+    row_terms = torch.empty((2 if p_from_lse else 1, B, Hq, L), dtype=acc_dtype, device=q.device)
+    delta = row_terms[0]
     pre_m = 64
     run(module.flex_bwd_preprocess, (math.ceil(L / pre_m), B * Hq),
-        (out, grad_out, delta, *out.stride(), *grad_out.stride(), L, Hq),
-        dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_M=pre_m, ACC_DTYPE=common["ACC_DTYPE"]))
+        (out, grad_out, delta, row_stats, row_terms[-1], *out.stride(), *grad_out.stride(),
+         B * Hq * L, L, Hq),
+        dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_M=pre_m, ACC_DTYPE=common["ACC_DTYPE"],
+             P_FROM_LSE=p_from_lse))
+    if p_from_lse:
+        row_stats = row_terms[1]  # the kernel reads lse2 where it read the row max, and no 1/l
 
     captured = list(score_lowered.captured)
     grad_buffers = {}
@@ -243,9 +262,9 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     by_table = _head_dim_key(max(head_dim_pad, head_dim_v_pad)) in _FUSED_HEAD_DIMS
     tma = use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, TMA)
     gqa = Hq // Hkv
-    runs = FULL_RUNS and (max(head_dim_pad, head_dim_v_pad) <= FULL_RUNS_MAX_HEAD_DIM
-                          or not score_lowered.is_trivial)
+    runs = uses_runs(max(head_dim_pad, head_dim_v_pad), score_lowered.is_trivial)
     common.update(GQA_GROUP=gqa, WRITE_CAPTURED_GRADS=bool(grad_buffers), USE_TMA=tma,
+                  P_FROM_LSE=p_from_lse,
                   FULL_Q_RUNS=runs and q_blocks.full_runs(math.ceil(S / sparse_kv)),
                   FULL_KV_RUNS=runs and kv_blocks.full_runs(math.ceil(L / sparse_q)))
     kernel = module.flex_bwd_kernel

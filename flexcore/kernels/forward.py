@@ -84,31 +84,36 @@ class BlockTensors:
         """Over the first ``rows`` mask rows of every batch and head: the least, most and total
         :meth:`row_cost`, the total partial blocks, the least full blocks, and the number of rows
         whose full blocks are not one ascending run of consecutive blocks; all 0 when there are
-        none. One read-back from the device, cached per (B, H, rows) as long as the schedules
-        are; None inside a CUDA graph capture when not computed yet (a read-back would break the
-        capture)."""
-        key = ("stats", *self.num_blocks.shape[:2], rows)
+        none. One read-back from the device (shared with other tables by :func:`gather_stats`),
+        cached per (B, H, rows) as long as the schedules are; None inside a CUDA graph capture when
+        not computed yet (a read-back would break the capture)."""
+        key = self._stats_key(rows)
         if key not in self._orders:
             if capturing():
                 return None
-            cost = self.row_cost(rows)
-            stats = (0, 0, 0, 0, 0, 0)
-            if cost.numel():
-                full_low = broken = cost.new_zeros(())
-                if self.full_num_blocks is not None:
-                    # Listed indices increase strictly (BlockMask checks it): a row is one run when
-                    # its last listed index is its first plus the count less one.
-                    # Only (B, H, rows) values are gathered: the tables may be broadcast views.
-                    n = self.full_num_blocks[..., :rows].to(torch.int64)
-                    idx = self.full_indices[..., :rows, :]
-                    last = idx.gather(-1, (n - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1).to(torch.int64)
-                    broken = ((n > 0) & (last - idx[..., 0].to(torch.int64) != n - 1)).sum()
-                    full_low = n.min()
-                stats = tuple(int(x) for x in torch.stack([
-                    cost.min(), cost.max(), cost.sum(), self.num_blocks[..., :rows].sum().to(torch.int64),
-                    full_low, broken]).tolist())
-            self._orders[key] = stats
+            gather_stats([(self, rows)])
         return self._orders[key]
+
+    def _stats_key(self, rows: int) -> tuple:
+        return ("stats", *self.num_blocks.shape[:2], rows)
+
+    def _stat_terms(self, rows: int) -> torch.Tensor:
+        """:meth:`stats` as a device tensor of six int64 values (no read-back)."""
+        cost = self.row_cost(rows)
+        if not cost.numel():
+            return torch.zeros(6, dtype=torch.int64, device=cost.device)
+        full_low = broken = cost.new_zeros(())
+        if self.full_num_blocks is not None:
+            # Listed indices increase strictly (BlockMask checks it): a row is one run when its last
+            # listed index is its first plus the count less one.
+            # Only (B, H, rows) values are gathered: the tables may be broadcast views.
+            n = self.full_num_blocks[..., :rows].to(torch.int64)
+            idx = self.full_indices[..., :rows, :]
+            last = idx.gather(-1, (n - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1).to(torch.int64)
+            broken = ((n > 0) & (last - idx[..., 0].to(torch.int64) != n - 1)).sum()
+            full_low = n.min()
+        return torch.stack([cost.min(), cost.max(), cost.sum(),
+                            self.num_blocks[..., :rows].sum().to(torch.int64), full_low, broken])
 
     def full_runs(self, rows: int) -> bool:
         """Whether the full blocks of each of the first ``rows`` mask rows are one ascending run
@@ -137,6 +142,24 @@ class BlockTensors:
         if self.full_num_blocks is not None:
             cost = cost + self.full_num_blocks[..., :rows].to(torch.int64) * 4
         return cost
+
+
+def _read_back(values: torch.Tensor) -> list:
+    """The host's copy of ``values`` (a synchronising read-back; one per call)."""
+    return values.tolist()
+
+
+def gather_stats(pairs) -> None:
+    """Compute :meth:`BlockTensors.stats` of several ``(blocks, rows)`` pairs with one read-back
+    (e.g. the forward's key-block tables and the backward's transposed tables of a new mask, so
+    that a training step with a new mask waits on the GPU once, not twice). Pairs already computed
+    are skipped; nothing is computed inside a CUDA graph capture."""
+    todo = [(blocks, rows) for blocks, rows in pairs if blocks._stats_key(rows) not in blocks._orders]
+    if not todo or capturing():
+        return
+    values = _read_back(torch.stack([blocks._stat_terms(rows) for blocks, rows in todo]))
+    for (blocks, rows), row in zip(todo, values):
+        blocks._orders[blocks._stats_key(rows)] = tuple(int(x) for x in row)
 
 
 def longest_first(cost: torch.Tensor, group: int) -> torch.Tensor:

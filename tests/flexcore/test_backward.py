@@ -276,9 +276,11 @@ def test_deterministic_captured_gradients_are_bit_identical():
         assert torch.equal(a, b)
 
 
-def test_fully_masked_rows_have_zero_gradients():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fully_masked_rows_have_zero_gradients(dtype):
+    # bfloat16 recomputes probabilities from lse2 (P_FROM_LSE), where such rows have lse2 = +inf.
     gen = torch.Generator().manual_seed(8)
-    q, k, v = (torch.randn(1, 2, 80, 32, generator=gen).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(1, 2, 80, 32, generator=gen).to(dtype).requires_grad_() for _ in range(3))
     table = torch.randn(80, generator=gen).requires_grad_()
 
     def late(b, h, q_idx, kv_idx):
@@ -445,6 +447,36 @@ def test_backward_kernels_float64():
         assert (a - g).abs().max() <= 1e-12 * max(1.0, g.abs().max().item())
 
 
+def _spy_p_from_lse(monkeypatch, bwd) -> list:
+    """The P_FROM_LSE constexpr of every preprocessing launch, in order."""
+    seen = []
+    real = bwd.run
+
+    def spy(kernel, grid, args, kwargs):
+        if "P_FROM_LSE" in kwargs and "BLOCK_M" in kwargs:  # flex_bwd_preprocess
+            seen.append(kwargs["P_FROM_LSE"])
+        return real(kernel, grid, args, kwargs)
+
+    monkeypatch.setattr(bwd, "run", spy)
+    return seen
+
+
+@pytest.mark.parametrize("p_from_lse", [True, False])
+@pytest.mark.parametrize("mod_name,dtype", [("causal", torch.bfloat16), ("alibi", torch.bfloat16),
+                                            ("document", torch.float16), ("causal", torch.float32)])
+def test_probabilities_from_lse2_or_row_stats(monkeypatch, p_from_lse, mod_name, dtype):
+    """16-bit inputs recompute p = exp2(s - lse2) (lse2 from the preprocessing kernel) unless
+    P_FROM_LSE is off; float32 always uses (m, 1/l). Both against the float64 gradients, at ragged
+    lengths with GQA."""
+    from flexcore.kernels import backward as bwd
+
+    monkeypatch.setattr(bwd, "P_FROM_LSE", p_from_lse)
+    seen = _spy_p_from_lse(monkeypatch, bwd)
+    shape = Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=32, Dv=32, block=32)
+    check_backward(shape, mod_name, dtype, seed=seed_of("bwd_lse2", mod_name, p_from_lse, str(dtype)))
+    assert seen == [p_from_lse and dtype != torch.float32]
+
+
 @pytest.mark.parametrize("mod_name", ["noop", "causal", "prefix_lm", "document", "stripes"])
 @pytest.mark.parametrize("paths", ["chosen", "tables"])
 def test_run_and_table_paths(monkeypatch, mod_name, paths):
@@ -472,6 +504,45 @@ def test_run_and_table_paths(monkeypatch, mod_name, paths):
     # the transposed tables and the key-block tables. A stripe of full keys is full for every query.
     expected = {"noop": [True, True], "stripes": [False, True, False]}.get(mod_name, [True] * 3)
     assert seen == ([] if paths == "tables" else expected)
+
+
+@pytest.mark.parametrize("head_dim,mod_name,expected", [
+    (32, "causal", [(2, 6)]),      # runs at head dims up to 64: both tables in one read-back
+    (128, "alibi", [(2, 6)]),      # and above with a score_mod
+    (128, "causal", [(1, 6)]),     # no runs in this backward: only the forward's tables
+])
+def test_one_read_back_per_new_mask(monkeypatch, head_dim, mod_name, expected):
+    """A forward+backward with a new mask waits on the device once: the forward reads back the
+    statistics of the key-block tables and, where the backward will use them, of the transposed
+    tables together (the first step's gradients against the float64 reference). Two more steps
+    with another mask: one read-back for the first, none for the second, the same gradients."""
+    from flexcore.kernels import forward as fwd
+
+    calls = []
+    real = fwd._read_back
+
+    def spy(values):
+        calls.append(tuple(values.shape))
+        return real(values)
+
+    monkeypatch.setattr(fwd, "_read_back", spy)
+    shape = Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=head_dim, Dv=head_dim, block=32)
+    check_backward(shape, mod_name, torch.float32, seed=seed_of("readback", mod_name, head_dim))
+    assert calls == expected
+
+    gen = torch.Generator().manual_seed(seed_of("readback-again", mod_name, head_dim))
+    score_mod, mask_mod = make_mods(mod_name, shape, DEVICE, gen)
+    bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=DEVICE, BLOCK_SIZE=shape.block)
+    q, k, v = (t.requires_grad_() for t in shape.qkv(torch.float32, DEVICE, gen))
+    flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True).sum().backward()
+    assert calls == expected * 2
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True).sum().backward()
+    assert calls == expected * 2  # the same mask: everything known
+    for t, g in zip((q, k, v), grads):
+        assert torch.equal(t.grad, g)
 
 
 def test_backward_of_a_mask_without_q_tables():
@@ -561,6 +632,21 @@ def test_backward_table_path_gpu(monkeypatch, shape_name, mod_name):
             monkeypatch.setattr(module, "FULL_RUNS", False)
     check_backward(_GPU_SHAPES[shape_name], mod_name, torch.bfloat16,
                    seed=seed_of("gpu_tables", mod_name, shape_name), device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape_name,mod_name", [("gpu_1k", "causal"), ("gpu_1k", "softcap"),
+                                                 ("gpu_ragged", "document"), ("gpu_d256", "alibi")])
+def test_backward_row_stats_path_gpu(monkeypatch, shape_name, mod_name):
+    # 16-bit inputs with probabilities from (m, 1/l) instead of lse2 (test_backward_gpu covers lse2).
+    from flexcore.kernels import backward as bwd
+
+    monkeypatch.setattr(bwd, "P_FROM_LSE", False)
+    seen = _spy_p_from_lse(monkeypatch, bwd)
+    check_backward(_GPU_SHAPES[shape_name], mod_name, torch.bfloat16,
+                   seed=seed_of("gpu_rowstats", mod_name, shape_name), device="cuda")
+    assert seen == [False]
 
 
 @pytest.mark.gpu
