@@ -462,18 +462,21 @@ def _spy_p_from_lse(monkeypatch, bwd) -> list:
 
 
 @pytest.mark.parametrize("p_from_lse", [True, False])
-@pytest.mark.parametrize("mod_name,dtype", [("causal", torch.bfloat16), ("alibi", torch.bfloat16),
-                                            ("document", torch.float16), ("causal", torch.float32)])
-def test_probabilities_from_lse2_or_row_stats(monkeypatch, p_from_lse, mod_name, dtype):
+@pytest.mark.parametrize("mod_name,dtype,L", [
+    ("causal", torch.bfloat16, 150), ("alibi", torch.bfloat16, 150), ("document", torch.float16, 150),
+    ("causal", torch.float32, 150),
+    # 8 queries: the decode kernel runs the forward and keeps only lse (row_stats_from_lse)
+    ("document", torch.bfloat16, 8), ("alibi", torch.bfloat16, 8)])
+def test_probabilities_from_lse2_or_row_stats(monkeypatch, p_from_lse, mod_name, dtype, L):
     """16-bit inputs recompute p = exp2(s - lse2) (lse2 from the preprocessing kernel) unless
     P_FROM_LSE is off; float32 always uses (m, 1/l). Both against the float64 gradients, at ragged
-    lengths with GQA."""
+    lengths with GQA, after the forward kernel and after the decode kernel."""
     from flexcore.kernels import backward as bwd
 
     monkeypatch.setattr(bwd, "P_FROM_LSE", p_from_lse)
     seen = _spy_p_from_lse(monkeypatch, bwd)
-    shape = Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=32, Dv=32, block=32)
-    check_backward(shape, mod_name, dtype, seed=seed_of("bwd_lse2", mod_name, p_from_lse, str(dtype)))
+    shape = Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=L, S=200, D=32, Dv=32, block=32)
+    check_backward(shape, mod_name, dtype, seed=seed_of("bwd_lse2", mod_name, p_from_lse, str(dtype), L))
     assert seen == [p_from_lse and dtype != torch.float32]
 
 
