@@ -262,10 +262,27 @@ _DENSE_CONFIGS = {
     64: [(128, 128, 4, 3), (128, 128, 4, 2), (64, 64, 4, 2)],
     128: [(128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3)],
 }
+# Warp-specialized candidates of the dense path (triton's `tl.range(..., warp_specialize=True)`),
+# tried by the autotuner beside _DENSE_CONFIGS where q_rows_descriptor allows (bench/NOTES.md entry
+# 30). WARP_SPEC: None autotunes them in on Hopper; True gives the dense path only these (also under
+# the interpreter, which runs the loop unspecialized: tests); False never.
+_DENSE_WS_CONFIGS = {128: [(128, 128, 4, 2)]}
+WARP_SPEC: bool | None = None
 # False keeps all-full masks on the block-table path (benchmarks, tests).
 DENSE = True
 # False reads one index per full tile even where a mask's full blocks are consecutive.
 FULL_RUNS = True
+
+
+def q_rows_descriptor(q: torch.Tensor, tma: bool) -> int:
+    """The row count of a descriptor over every row of ``q`` (B, H, L, D), based at q itself with
+    row stride ``q.stride(2)``, when the warp-specialized dense loop may read Q that way (K/V read
+    through descriptors, batch and head strides multiples of the row stride); 0 otherwise."""
+    B, H, L, _ = q.shape
+    sb, sh, sm, _ = q.stride()
+    if not tma or sm <= 0 or sb % sm or sh % sm or not use_tma((q,), True, True):
+        return 0
+    return (B - 1) * (sb // sm) + (H - 1) * (sh // sm) + L
 
 
 def _candidates(head_dim_pad: int, itemsize: int, dense: bool) -> list[tuple[int, int, int, int]]:
@@ -276,17 +293,30 @@ def _candidates(head_dim_pad: int, itemsize: int, dense: bool) -> list[tuple[int
 
 
 def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: int,
-              dense: bool = False):
-    """Return (kernel, fixed_meta) where fixed_meta holds the tile constexprs when not autotuning."""
+              dense: bool = False, warp_spec: bool = False):
+    """Return (kernel, fixed_meta) where fixed_meta holds the tile constexprs when not autotuning.
+    ``warp_spec``: the dense path may use the warp-specialized candidates (q_rows_descriptor)."""
     kernel = module.flex_forward_kernel
     sparse_q, sparse_kv = sparse
+    ws_only = dense and warp_spec and WARP_SPEC is True
     if use_interpreter():
         bm = _check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(64, sparse_q, "query")
         bn = _check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(64, sparse_kv, "key")
-        return kernel, dict(BLOCK_M=bm, BLOCK_N=bn)
+        return kernel, dict(BLOCK_M=bm, BLOCK_N=bn, **({"WARP_SPEC": True} if ws_only else {}))
     itemsize = torch.empty((), dtype=dtype).element_size()
     candidates = _candidates(head_dim_pad, itemsize, dense)
+    ws_candidates = []
+    if dense and warp_spec and WARP_SPEC is not False and itemsize == 2:
+        ws_candidates = _DENSE_WS_CONFIGS.get(head_dim_pad, [])
+        if ws_only and ws_candidates:
+            candidates = []
     if opts.BLOCK_M or opts.BLOCK_N or not opts.autotune:
+        if not candidates:  # WARP_SPEC forced: its first candidate
+            m, n, w, s = ws_candidates[0]
+            return kernel, dict(BLOCK_M=fit_tile(opts.BLOCK_M or m, sparse_q, "query"),
+                                BLOCK_N=fit_tile(opts.BLOCK_N or n, sparse_kv, "key"),
+                                num_warps=opts.num_warps or w, num_stages=opts.num_stages or s,
+                                WARP_SPEC=True)
         m, n, w, s = candidates[0]
         bm = _check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(m, sparse_q, "query")
         bn = _check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(n, sparse_kv, "key")
@@ -296,15 +326,16 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
 
     length_bucket = min(max(q_len, 1).bit_length(), 15)
     key = (module.__name__, head_dim_pad, dtype, sparse, length_bucket, opts.num_warps, opts.num_stages,
-           dense)
+           dense, tuple(ws_candidates), ws_only)
     tuner = _autotuners.get(key)
     if tuner is None:
         configs = []
-        for m, n, w, s in candidates:
-            if sparse_q % m or sparse_kv % n:
-                continue
-            configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n},
-                                         num_warps=opts.num_warps or w, num_stages=opts.num_stages or s))
+        for ws, cands in ((False, candidates), (True, ws_candidates)):
+            for m, n, w, s in cands:
+                if sparse_q % m or sparse_kv % n:
+                    continue
+                configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n, **({"WARP_SPEC": True} if ws else {})},
+                                             num_warps=opts.num_warps or w, num_stages=opts.num_stages or s))
         if not configs:
             m, n = fit_tile(128, sparse_q, "query"), fit_tile(64, sparse_kv, "key")
             configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=2)]
@@ -351,8 +382,12 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     tma = use_tma((k, v), head_dim_pad == D and head_dim_v_pad == Dv, TMA)
     dense = DENSE and blocks.all_full(q_rows, math.ceil(S / sparse_kv))
     runs = FULL_RUNS and not dense and blocks.full_runs(q_rows)
+    # Warp specialization only without captured tensors: a score_mod that loads from one inside
+    # the loop (a relative-position table) gives wrong results under it (bench/NOTES.md entry 30).
+    q_desc_rows = (q_rows_descriptor(q, tma) if dense and WARP_SPEC is not False
+                   and not score_lowered.captured else 0)
     kernel, meta = _launcher(module, max(head_dim_pad, head_dim_v_pad), q.dtype, blocks.sparse_block,
-                             opts, L, dense)
+                             opts, L, dense, q_desc_rows > 0)
     group = SCHEDULE_GROUP
     order = None if group is None or dense else blocks.schedule(q_rows, group, SCHEDULE_MIN_BLOCKS)
     full_n, full_i = blocks.full_tables()
@@ -365,7 +400,7 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         blocks.num_blocks, blocks.indices, full_n, full_i,
         *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
         *full_n.stride(), *full_i.stride()[:3],
-        order if order is not None else blocks.num_blocks, q_rows,
+        order if order is not None else blocks.num_blocks, q_rows, q_desc_rows,
         B * Hq * L, L, S, Hq, scale, scale * _LOG2E,
         *score_lowered.kernel_args(), *mask_lowered.kernel_args(),
     )

@@ -340,6 +340,50 @@ def _path_spy(monkeypatch):
     return seen
 
 
+def _ws_spy(monkeypatch) -> list:
+    """WARP_SPEC of each forward launch's configuration (False where the configuration has none)."""
+    from flexcore.kernels import forward as fwd
+
+    seen = []
+    real = fwd.launch
+
+    def spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
+        seen.append(meta.get("WARP_SPEC", False))
+        return real(kernel, grid, args, bm, bn, meta, constexprs, **kw)
+
+    monkeypatch.setattr(fwd, "launch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("mod_name,layout", [("noop", "contiguous"), ("softcap", "contiguous"),
+                                             ("relative_table", "contiguous"), ("noop", "strided"),
+                                             ("noop", "heads_inner")])
+# relative_table reads a captured tensor inside the loop: never warp-specialized (NOTES entry 30).
+def test_warp_specialized_dense_path_reads_q_rows(monkeypatch, mod_name, layout):
+    """The warp-specialized dense loop reads Q through one descriptor over all its rows (under the
+    interpreter the loop itself runs unspecialized). At L=150, tiles of the last query rows of a
+    head overlap the next head's rows; their outputs must not be stored. "strided": batch and head
+    strides padded but multiples of the row stride, still eligible; "heads_inner": (B, L, H, D)
+    memory viewed as (B, H, L, D), whose head stride is not a multiple of the row stride, takes the
+    pointer path."""
+    from flexcore.kernels import forward as fwd
+
+    monkeypatch.setattr(fwd, "TMA", True)
+    monkeypatch.setattr(fwd, "WARP_SPEC", True)
+    seen = _ws_spy(monkeypatch)
+    shape = Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=32, Dv=32, block=32)
+    q, k, v, score_mod, bm = make_case(shape, mod_name, torch.bfloat16, seed_of("ws", mod_name, layout), DEVICE)
+    if layout == "strided":
+        q = torch.zeros(2, 5, 160, 32, dtype=q.dtype)[:, :4, :150].copy_(q)
+    elif layout == "heads_inner":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, return_lse=True)
+    assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"ws/{mod_name}/{layout}")
+    assert seen == [layout != "heads_inner" and mod_name != "relative_table"]
+    rows = fwd.q_rows_descriptor(q, True)
+    assert rows == {"contiguous": 2 * 4 * 150, "strided": 5 * 160 + 3 * 160 + 150, "heads_inner": 0}[layout]
+
+
 def test_block_paths_are_chosen_from_the_tables():
     from flexcore.attention import _kv_blocks
 

@@ -54,6 +54,34 @@ def test_forward_table_path_gpu(monkeypatch, shape, mod_name):
                   kernel_options=options, device="cuda")
 
 
+_RAGGED_128 = Shape("gpu_ragged128", B=2, Hq=4, Hkv=2, L=1000, S=1531, D=128, Dv=128, block=128)
+
+
+@pytest.mark.parametrize("shape", [GPU_SHAPES[0], GPU_SHAPES[2], GPU_SHAPES[5], _RAGGED_128],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("mod_name", ["noop", "softcap", "relative_table"])
+def test_forward_warp_specialized_dense_gpu(monkeypatch, shape, mod_name):
+    # Only the warp-specialized candidates on the dense path (the autotuner may or may not pick
+    # them otherwise): masks whose blocks are all full, with and without a score_mod, ragged
+    # lengths with GQA (tiles overlapping the next head's query rows). A score_mod that reads a
+    # captured tensor (relative_table) keeps the unspecialized loop: under warp specialization
+    # its results were wrong.
+    from flexcore.kernels import forward as fwd
+
+    monkeypatch.setattr(fwd, "WARP_SPEC", True)
+    seen = []
+    real = fwd._launcher
+
+    def spy(*args, **kwargs):
+        kernel, meta = real(*args, **kwargs)
+        seen.append(meta.get("WARP_SPEC", False))
+        return kernel, meta
+
+    monkeypatch.setattr(fwd, "_launcher", spy)
+    check_forward(shape, mod_name, torch.bfloat16, seed=seed_of("ws", mod_name, shape.name), device="cuda")
+    assert seen == [mod_name != "relative_table"]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_forward_stripes_gpu(dtype):
     # Full blocks 0, 2, 4, ...: not one run, so the table path, with autotuning, ragged lengths.
