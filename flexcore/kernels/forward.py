@@ -298,44 +298,37 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
     ``warp_spec``: the dense path may use the warp-specialized candidates (q_rows_descriptor)."""
     kernel = module.flex_forward_kernel
     sparse_q, sparse_kv = sparse
-    ws_only = dense and warp_spec and WARP_SPEC is True
+    warp_spec = dense and warp_spec  # forward() passes it only when WARP_SPEC is not False
+    ws_only = warp_spec and WARP_SPEC is True
     if use_interpreter():
         bm = _check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(64, sparse_q, "query")
         bn = _check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(64, sparse_kv, "key")
         return kernel, dict(BLOCK_M=bm, BLOCK_N=bn, **({"WARP_SPEC": True} if ws_only else {}))
     itemsize = torch.empty((), dtype=dtype).element_size()
-    candidates = _candidates(head_dim_pad, itemsize, dense)
-    ws_candidates = []
-    if dense and warp_spec and WARP_SPEC is not False and itemsize == 2:
-        ws_candidates = _DENSE_WS_CONFIGS.get(head_dim_pad, [])
-        if ws_only and ws_candidates:
-            candidates = []
+    # ((BLOCK_M, BLOCK_N, num_warps, num_stages), warp-specialized), best first.
+    candidates = [(c, False) for c in _candidates(head_dim_pad, itemsize, dense)]
+    if warp_spec and itemsize == 2:
+        ws = [(c, True) for c in _DENSE_WS_CONFIGS.get(head_dim_pad, [])]
+        candidates = ws if ws_only and ws else candidates + ws
     if opts.BLOCK_M or opts.BLOCK_N or not opts.autotune:
-        if not candidates:  # WARP_SPEC forced: its first candidate
-            m, n, w, s = ws_candidates[0]
-            return kernel, dict(BLOCK_M=fit_tile(opts.BLOCK_M or m, sparse_q, "query"),
-                                BLOCK_N=fit_tile(opts.BLOCK_N or n, sparse_kv, "key"),
-                                num_warps=opts.num_warps or w, num_stages=opts.num_stages or s,
-                                WARP_SPEC=True)
-        m, n, w, s = candidates[0]
+        (m, n, w, s), ws = candidates[0]
         bm = _check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(m, sparse_q, "query")
         bn = _check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(n, sparse_kv, "key")
         return kernel, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=opts.num_warps or w,
-                            num_stages=opts.num_stages or s)
+                            num_stages=opts.num_stages or s, **({"WARP_SPEC": True} if ws else {}))
     import triton
 
     length_bucket = min(max(q_len, 1).bit_length(), 15)
     key = (module.__name__, head_dim_pad, dtype, sparse, length_bucket, opts.num_warps, opts.num_stages,
-           dense, tuple(ws_candidates), ws_only)
+           tuple(candidates))
     tuner = _autotuners.get(key)
     if tuner is None:
         configs = []
-        for ws, cands in ((False, candidates), (True, ws_candidates)):
-            for m, n, w, s in cands:
-                if sparse_q % m or sparse_kv % n:
-                    continue
-                configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n, **({"WARP_SPEC": True} if ws else {})},
-                                             num_warps=opts.num_warps or w, num_stages=opts.num_stages or s))
+        for (m, n, w, s), ws in candidates:
+            if sparse_q % m or sparse_kv % n:
+                continue
+            configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n, **({"WARP_SPEC": True} if ws else {})},
+                                         num_warps=opts.num_warps or w, num_stages=opts.num_stages or s))
         if not configs:
             m, n = fit_tile(128, sparse_q, "query"), fit_tile(64, sparse_kv, "key")
             configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=2)]
