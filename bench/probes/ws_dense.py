@@ -1,20 +1,11 @@
 """Warp-specialized dense path (bench/NOTES.md entry 30): forward TFLOP/s (4*B*H*S*S*D) with
 WARP_SPEC False (the unspecialized candidates), True (only the specialized one) and None (all
 autotuned), and the max difference to the table path; bf16 H=16, anchors shapes, D=128."""
-import torch, triton
+import torch
 from flexcore import flex_attention
 import flexcore.kernels.forward as F
+from bench.probes.dense_probe import H, MODS, bench
 
-torch.manual_seed(0)
-H = 16
-bias_table = torch.randn(H, device="cuda")
-MODS = {
-    "noop": None,
-    "alibi": lambda s, b, h, q, kv: s - (h + 1).to(s.dtype) * 0.05 * (q - kv).abs(),
-    "softcap": lambda s, b, h, q, kv: 30.0 * torch.tanh(s / 30.0),
-    "headbias": lambda s, b, h, q, kv: s + bias_table[h],
-}
-def bench(fn): return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median")
 D = 128
 for B, S in ((4, 4096), (1, 16384)):
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
