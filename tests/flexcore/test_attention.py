@@ -325,34 +325,29 @@ def test_longest_first_launch_matches_reference(monkeypatch, shape, options, gro
     assert used == ([] if mod_name == "noop" else [(mod_name, shape.name) != ("and_or", "ragged_tail")])
 
 
-def _path_spy(monkeypatch):
-    """Record (DENSE, FULL_RUNS) of each forward launch."""
+def _launch_spy(monkeypatch, record) -> list:
+    """``record(meta, constexprs)`` of each forward launch, in order."""
     from flexcore.kernels import forward as fwd
 
     seen = []
     real = fwd.launch
 
     def spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
-        seen.append((constexprs["DENSE"], constexprs["FULL_RUNS"]))
+        seen.append(record(meta, constexprs))
         return real(kernel, grid, args, bm, bn, meta, constexprs, **kw)
 
     monkeypatch.setattr(fwd, "launch", spy)
     return seen
+
+
+def _path_spy(monkeypatch):
+    """Record (DENSE, FULL_RUNS) of each forward launch."""
+    return _launch_spy(monkeypatch, lambda meta, constexprs: (constexprs["DENSE"], constexprs["FULL_RUNS"]))
 
 
 def _ws_spy(monkeypatch) -> list:
     """WARP_SPEC of each forward launch's configuration (False where the configuration has none)."""
-    from flexcore.kernels import forward as fwd
-
-    seen = []
-    real = fwd.launch
-
-    def spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
-        seen.append(meta.get("WARP_SPEC", False))
-        return real(kernel, grid, args, bm, bn, meta, constexprs, **kw)
-
-    monkeypatch.setattr(fwd, "launch", spy)
-    return seen
+    return _launch_spy(monkeypatch, lambda meta, constexprs: meta.get("WARP_SPEC", False))
 
 
 @pytest.mark.parametrize("mod_name,layout", [("noop", "contiguous"), ("softcap", "contiguous"),
