@@ -23,7 +23,8 @@ import torch
 
 from flexcore._runtime import capturing, use_interpreter
 from flexcore.kernels.codegen import HEADER, cached_module, fill_template, read_template
-from flexcore.kernels.forward import BlockTensors, _check_tile, fit_tile, pad_head_dim, use_tma
+from flexcore.kernels.forward import (BlockTensors, _check_tile, fit_tile, pad_head_dim, q_rows_descriptor,
+                                      use_tma)
 from flexcore.kernels.launch import launch, out_of_resources, run
 from flexcore.options import KernelOptions
 
@@ -106,6 +107,25 @@ FULL_RUNS_MAX_HEAD_DIM = 64  # larger head dims take the run path only with a sc
 # the 16-bit rounding of p. Float32 and float64 inputs keep (m, 1/l). False: (m, 1/l) everywhere.
 P_FROM_LSE = True
 
+# Dense path: masks whose blocks are all full (no mask, noop_mask) skip the partial loops and the
+# tables, and both kinds of program step over every tile. Measured on an H200 (bench/NOTES.md entry
+# 31): at head dim 128 +1-3% on forward+backward without a score_mod, but 1-3% slower than the run
+# path with one unless warp-specialized (below); at 64 no faster than the run path. So by default
+# only at DENSE_HEAD_DIMS, and with a score_mod only warp-specialized. True forces it for every
+# all-full mask (tests); False never.
+DENSE: bool | None = None
+DENSE_HEAD_DIMS = frozenset({128})
+# Warp-specialized dense loops (triton's `tl.range(..., warp_specialize=True)`), reading every tile
+# and row through descriptors over all rows of each tensor (entry 31): +3-5% forward+backward at head
+# dim 128 with a score_mod (ALiBi, softcap without a mask), none without one, and 1.5-3x slower at
+# head dim 64. They need 16-bit inputs (lse2), no GQA, sequences that divide the tiles, K/V/Q/dO
+# layouts that descriptors over all rows can read, and no captured tensors (as in the forward).
+# WARP_SPEC: None takes them by that rule on Hopper or later; True wherever the layout allows (also
+# under the interpreter, which runs the loops unspecialized: tests); False never.
+# WARP_SPEC_KINDS: which kinds of program take them (benchmarks).
+WARP_SPEC: bool | None = None
+WARP_SPEC_KINDS = frozenset({"dkdv", "dq"})
+
 # One launch for the dK/dV and dQ programs, which then share num_warps and num_stages: None times
 # one launch against two per kernel and size bucket where _FUSED_HEAD_DIMS allows it (the first
 # backward of each); True/False force it (a launch that runs out of shared memory splits anyway).
@@ -163,6 +183,20 @@ def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int,
         bn = _check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else None
         configs = [(bm or m, bn or n, meta) for m, n, meta in configs]
     return configs[0], configs[1]
+
+
+def _warp_spec_rows(q, k, v, grad_out, allowed: bool) -> tuple[int, int, int, int]:
+    """The row counts of descriptors over all rows of q, k, v and grad_out (see
+    flexcore.kernels.forward.q_rows_descriptor) where ``allowed`` and the warp-specialized loops may
+    run: all four nonzero, or all 0."""
+    if not allowed:
+        return (0, 0, 0, 0)
+    if WARP_SPEC is None and not use_tma((q, k, v, grad_out), True):  # Hopper or later, 16-bit
+        return (0, 0, 0, 0)
+    if q.shape[-1] != pad_head_dim(q.shape[-1]) or v.shape[-1] != pad_head_dim(v.shape[-1]):
+        return (0, 0, 0, 0)
+    rows = tuple(q_rows_descriptor(t, True) for t in (q, k, v, grad_out))
+    return rows if all(rows) else (0, 0, 0, 0)
 
 
 def uses_runs(head_dim_pad: int, score_is_trivial: bool) -> bool:
@@ -251,6 +285,20 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
 
     qn, qi = q_blocks.full_tables()
     kn, ki = kv_blocks.full_tables()
+    gqa = Hq // Hkv
+    head_dim_key = _head_dim_key(max(head_dim_pad, head_dim_v_pad))
+    trivial = score_lowered.is_trivial
+    # The dense path and its warp-specialized loops (see DENSE and WARP_SPEC); the tables' all_full
+    # is read only where the rules could take it.
+    ws_rule = WARP_SPEC is True or (WARP_SPEC is None and head_dim_key in DENSE_HEAD_DIMS and not trivial)
+    dense_rule = DENSE is True or (DENSE is None and head_dim_key in DENSE_HEAD_DIMS and trivial)
+    dense = (DENSE is not False and (ws_rule or dense_rule)
+             and kv_blocks.all_full(math.ceil(L / sparse_q), math.ceil(S / sparse_kv)))
+    ws_rows = _warp_spec_rows(
+        q, k, v, grad_out, dense and ws_rule and p_from_lse and gqa == 1 and L % sparse_q == 0
+        and S % sparse_kv == 0 and L % 4 == 0 and not score_lowered.captured)
+    ws = ws_rows[0] > 0
+    dense = dense and (ws or dense_rule)
     args = (
         q, k, v, grad_out, dq, dk, dv, row_stats, delta,
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
@@ -258,13 +306,13 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         *kv_blocks.num_blocks.stride(), *kv_blocks.indices.stride()[:3], *kn.stride(), *ki.stride()[:3],
         q_blocks.num_blocks, q_blocks.indices, qn, qi,
         *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3], *qn.stride(), *qi.stride()[:3],
-        B * Hq * L, L, S, Hq, Hkv, scale, scale * _LOG2E, *caps, *grad_args)
-    by_table = _head_dim_key(max(head_dim_pad, head_dim_v_pad)) in _FUSED_HEAD_DIMS
-    tma = use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, TMA)
-    gqa = Hq // Hkv
-    runs = uses_runs(max(head_dim_pad, head_dim_v_pad), score_lowered.is_trivial)
+        B * Hq * L, L, S, Hq, Hkv, scale, scale * _LOG2E, *ws_rows, *caps, *grad_args)
+    by_table = head_dim_key in _FUSED_HEAD_DIMS
+    tma = ws or use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, TMA)
+    runs = uses_runs(max(head_dim_pad, head_dim_v_pad), trivial)
     common.update(GQA_GROUP=gqa, WRITE_CAPTURED_GRADS=bool(grad_buffers), USE_TMA=tma,
-                  P_FROM_LSE=p_from_lse,
+                  P_FROM_LSE=p_from_lse, DENSE=dense,
+                  DKDV_WARP_SPEC=ws and "dkdv" in WARP_SPEC_KINDS, DQ_WARP_SPEC=ws and "dq" in WARP_SPEC_KINDS,
                   FULL_Q_RUNS=runs and q_blocks.full_runs(math.ceil(S / sparse_kv)),
                   FULL_KV_RUNS=runs and kv_blocks.full_runs(math.ceil(L / sparse_q)))
     kernel = module.flex_bwd_kernel

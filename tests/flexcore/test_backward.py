@@ -548,6 +548,82 @@ def test_one_read_back_per_new_mask(monkeypatch, head_dim, mod_name, expected):
         assert torch.equal(t.grad, g)
 
 
+def _bwd_path_spy(monkeypatch) -> list:
+    """(PHASE, DENSE, DKDV_WARP_SPEC, DQ_WARP_SPEC) of every flex_bwd_kernel launch, in order."""
+    from flexcore.kernels import backward as bwd
+
+    seen = []
+    real_launch, real_run = bwd.launch, bwd.run
+
+    def record(constexprs):
+        if "PHASE" in constexprs:
+            seen.append(tuple(constexprs[k] for k in ("PHASE", "DENSE", "DKDV_WARP_SPEC", "DQ_WARP_SPEC")))
+
+    def launch_spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
+        record(constexprs)
+        return real_launch(kernel, grid, args, bm, bn, meta, constexprs, **kw)
+
+    def run_spy(kernel, grid, args, kwargs):
+        record(kwargs)
+        return real_run(kernel, grid, args, kwargs)
+
+    monkeypatch.setattr(bwd, "launch", launch_spy)
+    monkeypatch.setattr(bwd, "run", run_spy)
+    return seen
+
+
+_WS_SHAPE = Shape("square_ws", B=2, Hq=3, Hkv=3, L=128, S=256, D=32, Dv=32, block=32)
+
+
+@pytest.mark.parametrize("shape,mod_name,dense,ws", [
+    (_WS_SHAPE, "noop", True, True),
+    (_WS_SHAPE, "softcap", True, True),
+    (_WS_SHAPE, "relative_table", True, False),  # captured tensors: never warp-specialized
+    (_WS_SHAPE, "alibi", False, False),  # causal: not all full
+    (Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=32, Dv=32, block=32), "softcap", True, False),
+    (Shape("gqa", B=1, Hq=4, Hkv=2, L=128, S=128, D=32, Dv=32, block=32), "noop", True, False),
+], ids=["noop", "softcap", "relative_table", "alibi", "ragged_gqa", "gqa"])
+def test_dense_and_warp_specialized_backward(monkeypatch, shape, mod_name, dense, ws):
+    """With DENSE and WARP_SPEC forced: all-full masks take the dense loops, warp-specialized (every
+    tile and row read through descriptors over all rows; under the interpreter the loops run
+    unspecialized) where the layout, GQA, lengths and mod allow; bf16 gradients against float64."""
+    from flexcore.kernels import backward as bwd
+
+    monkeypatch.setattr(bwd, "DENSE", True)
+    monkeypatch.setattr(bwd, "WARP_SPEC", True)
+    seen = _bwd_path_spy(monkeypatch)
+    check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("bwd_ws", mod_name, shape.name))
+    assert seen and all(flags[1:] == (dense, ws, ws) for flags in seen), seen
+
+
+@pytest.mark.parametrize("head_dim,mod_name,dense", [
+    (128, "noop", True), (128, "softcap", False), (64, "noop", False), (128, "causal", False)])
+def test_dense_backward_by_default(monkeypatch, head_dim, mod_name, dense):
+    """The default rule: the dense loops at head dim 128 without a score_mod; with one only
+    warp-specialized, which needs a GPU (so never here); never at 64 (entry 31 of bench/NOTES.md)."""
+    seen = _bwd_path_spy(monkeypatch)
+    shape = Shape("dense_default", B=1, Hq=2, Hkv=2, L=64, S=96, D=head_dim, Dv=head_dim, block=32)
+    check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("bwd_dense", mod_name, head_dim))
+    assert seen and all(flags[1:] == (dense, False, False) for flags in seen), seen
+
+
+def test_warp_spec_rows_follow_the_layout(monkeypatch):
+    """Descriptors over all rows need batch and head strides that are multiples of the row stride:
+    padded strides qualify, heads-inner memory does not, and then none of the four tensors does."""
+    from flexcore.kernels import backward as bwd
+
+    monkeypatch.setattr(bwd, "WARP_SPEC", True)
+    x = torch.randn(2, 3, 64, 32, dtype=torch.bfloat16)
+    padded = torch.zeros(2, 4, 80, 32, dtype=torch.bfloat16)[:, :3, :64]
+    heads_inner = x.transpose(1, 2).contiguous().transpose(1, 2)
+    assert bwd._warp_spec_rows(x, x, x, x, True) == (2 * 3 * 64,) * 4
+    assert bwd._warp_spec_rows(padded, x, x, x, True) == (4 * 80 + 2 * 80 + 64, 384, 384, 384)
+    assert bwd._warp_spec_rows(x, x, x, heads_inner, True) == (0, 0, 0, 0)
+    assert bwd._warp_spec_rows(x, x, x, x, False) == (0, 0, 0, 0)
+    odd = torch.randn(2, 3, 64, 48, dtype=torch.bfloat16)  # head dim padded to 64: no descriptors
+    assert bwd._warp_spec_rows(odd, odd, odd, odd, True) == (0, 0, 0, 0)
+
+
 def test_backward_of_a_mask_without_q_tables():
     # compute_q_blocks=False: the backward transposes the key-block tables once per mask and reuses
     # that transpose while they are unmodified; an in-place change to them is seen by the next
@@ -650,6 +726,31 @@ def test_backward_row_stats_path_gpu(monkeypatch, shape_name, mod_name):
     check_backward(_GPU_SHAPES[shape_name], mod_name, torch.bfloat16,
                    seed=seed_of("gpu_rowstats", mod_name, shape_name), device="cuda")
     assert seen == [False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape_name,mod_name,forced,dense,ws", [
+    ("gpu_1k", "noop", False, True, False), ("gpu_1k", "softcap", False, True, True),
+    ("gpu_1k", "alibi", False, False, False), ("gpu_1k", "noop", True, True, True),
+    ("gpu_ws64", "softcap", True, True, True), ("gpu_ws64", "noop", True, True, True),
+    ("gpu_1k", "relative_table", True, True, False), ("gpu_gqa", "softcap", True, True, False),
+    ("gpu_ragged", "softcap", True, True, False), ("gpu_ws64", "softcap", False, False, False)])
+def test_backward_dense_and_warp_specialized_gpu(monkeypatch, shape_name, mod_name, forced, dense, ws):
+    """The dense backward and its warp-specialized loops on the GPU (compiled with the
+    specialization), by the default rule or forced (also at head dim 64, where the rule never takes
+    them), against float64; captured tensors, GQA and ragged lengths fall back."""
+    from flexcore.kernels import backward as bwd
+
+    shape = _GPU_SHAPES.get(shape_name) or Shape("gpu_ws64", B=2, Hq=4, Hkv=4, L=1024, S=1024, D=64,
+                                                 Dv=64, block=128)
+    if forced:
+        monkeypatch.setattr(bwd, "DENSE", True)
+        monkeypatch.setattr(bwd, "WARP_SPEC", True)
+    seen = _bwd_path_spy(monkeypatch)
+    check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("gpu_ws", mod_name, shape_name, forced),
+                   device="cuda")
+    assert seen and all(flags[1:] == (dense, ws, ws) for flags in seen), seen
 
 
 @pytest.mark.gpu
