@@ -119,7 +119,8 @@ DENSE_HEAD_DIMS = frozenset({128})
 # and row through descriptors over all rows of each tensor (entry 31): +3-5% forward+backward at head
 # dim 128 with a score_mod (ALiBi, softcap without a mask), none without one, and 1.5-3x slower at
 # head dim 64. They need 16-bit inputs (lse2), no GQA, sequences that divide the tiles, K/V/Q/dO
-# layouts that descriptors over all rows can read, and no captured tensors (as in the forward).
+# layouts that descriptors over all rows can read, no captured tensors (as in the forward) and, on
+# the GPU, 8-warp tiles for both kinds of program (a 4-warp run once gave NaN gradients).
 # WARP_SPEC: None takes them by that rule on Hopper or later; True wherever the layout allows (also
 # under the interpreter, which runs the loops unspecialized: tests); False never.
 # WARP_SPEC_KINDS: which kinds of program take them (benchmarks).
@@ -294,9 +295,12 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     dense_rule = DENSE is True or (DENSE is None and head_dim_key in DENSE_HEAD_DIMS and trivial)
     dense = (DENSE is not False and (ws_rule or dense_rule)
              and kv_blocks.all_full(math.ceil(L / sparse_q), math.ceil(S / sparse_kv)))
+    # On the GPU only with 8-warp tiles for both kinds: at 4 warps triton 3.6 partitions the loops
+    # and a forced run at head dim 64 gave NaN gradients once in two GPU test runs (entry 31).
+    eight_warps = use_interpreter() or meta1.get("num_warps") == meta2.get("num_warps") == 8
     ws_rows = _warp_spec_rows(
-        q, k, v, grad_out, dense and ws_rule and p_from_lse and gqa == 1 and L % sparse_q == 0
-        and S % sparse_kv == 0 and L % 4 == 0 and not score_lowered.captured)
+        q, k, v, grad_out, dense and ws_rule and eight_warps and p_from_lse and gqa == 1
+        and L % sparse_q == 0 and S % sparse_kv == 0 and L % 4 == 0 and not score_lowered.captured)
     ws = ws_rows[0] > 0
     dense = dense and (ws or dense_rule)
     args = (
