@@ -256,6 +256,48 @@ def use_tma(tensors, head_dims_padded: bool, force: bool | None = None) -> bool:
     return True
 
 
+# K and V through descriptors made on the host over all their rows (kv_rows_descriptor) instead of
+# descriptors built by each program, at these padded head dims (bench/NOTES.md entry 33: at D=128
+# short rows gain, document masks 4k +9%; at D=64 the 64x64 tiles that sliding windows pick lost
+# 7-8%, so D=64 keeps the per-program descriptors). None applies that rule; True/False force it
+# wherever the layout allows / never (tests, benchmarks).
+KV_ROWS_HEAD_DIMS = {128}
+KV_ROWS: bool | None = None
+
+
+def kv_rows_descriptor(t: torch.Tensor, tma: bool, even: bool):
+    """A tensor descriptor made on the host over every row of ``t`` (B, H, rows, D), based at t
+    itself with row stride ``t.stride(2)``, as the forward reads K and V: blocks of [BLOCK_N, D],
+    whose BLOCK_N ``fit_kv_blocks`` sets per launch (64 until then). The kernel reads a head's tile
+    at row (b·stride_b + h·stride_h) / stride_row + n, so the batch and head strides must be
+    multiples of the row stride (0 included: a broadcast batch or head reads the same rows), and
+    ``even``: the key tiles must never pass the end of a head, which a descriptor per head would
+    zero-fill. None where that does not hold, or ``tma`` is off."""
+    if not tma or not even:
+        return None
+    B, H, S, D = t.shape
+    sb, sh, sn, _ = t.stride()
+    if sn <= 0 or sb % sn or sh % sn:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows = (B - 1) * (sb // sn) + (H - 1) * (sh // sn) + S
+    return TensorDescriptor(t, [rows, D], [sn, 1], [64, D])
+
+
+def fit_kv_blocks(args: tuple, meta: dict) -> None:
+    """Give the K and V descriptors of a forward launch (``args[1:3]``) the launch's BLOCK_N."""
+    block_n = meta["BLOCK_N"]
+    args[1].block_shape[0] = block_n
+    args[2].block_shape[0] = block_n
+
+
+def _fit_kv_hook(nargs: dict) -> None:  # triton.Config pre_hook: the autotuner's own launches
+    block_n = nargs["BLOCK_N"]
+    nargs["K"].block_shape[0] = block_n
+    nargs["V"].block_shape[0] = block_n
+
+
 # The dense path's candidates (masks whose blocks are all full), as _GPU_CONFIGS. Measured on an
 # H200 (bench/NOTES.md entry 26): at D=64 three stages win on the dense loop.
 _DENSE_CONFIGS = {
@@ -293,9 +335,11 @@ def _candidates(head_dim_pad: int, itemsize: int, dense: bool) -> list[tuple[int
 
 
 def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: int,
-              dense: bool = False, warp_spec: bool = False):
+              dense: bool = False, warp_spec: bool = False, kv_rows: bool = False):
     """Return (kernel, fixed_meta) where fixed_meta holds the tile constexprs when not autotuning.
-    ``warp_spec``: the dense path may use the warp-specialized candidates (q_rows_descriptor)."""
+    ``warp_spec``: the dense path may use the warp-specialized candidates (q_rows_descriptor).
+    ``kv_rows``: K and V are host descriptors (kv_rows_descriptor), whose blocks follow each
+    configuration."""
     kernel = module.flex_forward_kernel
     sparse_q, sparse_kv = sparse
     warp_spec = dense and warp_spec  # forward() passes it only when WARP_SPEC is not False
@@ -320,7 +364,7 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
 
     length_bucket = min(max(q_len, 1).bit_length(), 15)
     key = (module.__name__, head_dim_pad, dtype, sparse, length_bucket, opts.num_warps, opts.num_stages,
-           tuple(candidates))
+           tuple(candidates), kv_rows)
     tuner = _autotuners.get(key)
     if tuner is None:
         configs = []
@@ -328,11 +372,13 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
             if sparse_q % m or sparse_kv % n:
                 continue
             configs.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n, **({"WARP_SPEC": True} if ws else {})},
-                                         num_warps=opts.num_warps or w, num_stages=opts.num_stages or s))
+                                         num_warps=opts.num_warps or w, num_stages=opts.num_stages or s,
+                                         pre_hook=_fit_kv_hook if kv_rows else None))
         if not configs:
             m, n = fit_tile(128, sparse_q, "query"), fit_tile(64, sparse_kv, "key")
             configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=4, num_stages=2)]
-        tuner = Tuned(triton.autotune(configs=configs, key=[])(kernel)) if len(configs) > 1 else None
+        tuner = (Tuned(triton.autotune(configs=configs, key=[])(kernel), fit_kv_blocks if kv_rows else None)
+                 if len(configs) > 1 else None)
         _autotuners[key] = tuner or configs[0]
         tuner = _autotuners[key]
     if isinstance(tuner, triton.Config):
@@ -379,8 +425,15 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     # the loop (a relative-position table) gives wrong results under it (bench/NOTES.md entry 30).
     q_desc_rows = (q_rows_descriptor(q, tma) if dense and WARP_SPEC is not False
                    and not score_lowered.captured else 0)
+    even_kv = S % sparse_kv == 0  # tiles divide the mask blocks: no tile passes KV_LEN
+    k_desc = v_desc = None
+    if KV_ROWS or (KV_ROWS is None and max(head_dim_pad, head_dim_v_pad) in KV_ROWS_HEAD_DIMS):
+        k_desc, v_desc = kv_rows_descriptor(k, tma, even_kv), kv_rows_descriptor(v, tma, even_kv)
+        if k_desc is None or v_desc is None:
+            k_desc = v_desc = None
+    kv_rows = k_desc is not None
     kernel, meta = _launcher(module, max(head_dim_pad, head_dim_v_pad), q.dtype, blocks.sparse_block,
-                             opts, L, dense, q_desc_rows > 0)
+                             opts, L, dense, q_desc_rows > 0, kv_rows)
     group = SCHEDULE_GROUP
     order = None if group is None or dense else blocks.schedule(q_rows, group, SCHEDULE_MIN_BLOCKS)
     full_n, full_i = blocks.full_tables()
@@ -388,7 +441,7 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
 
     args = (
-        q, k, v, out, lse, row_stats,
+        q, k if k_desc is None else k_desc, v if v_desc is None else v_desc, out, lse, row_stats,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         blocks.num_blocks, blocks.indices, full_n, full_i,
         *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
@@ -403,11 +456,11 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         SPARSE_Q_BLOCK=sparse_q, SPARSE_KV_BLOCK=sparse_kv,
         HAS_FULL_BLOCKS=blocks.full_num_blocks is not None,
         EVEN_Q=L % sparse_q == 0,  # tiles divide mask blocks, so this covers every BLOCK_M
-        EVEN_KV=S % sparse_kv == 0,
+        EVEN_KV=even_kv,
         # The trivial path folds the scale into the row max, which needs scale > 0.
         SCORE_IS_TRIVIAL=score_lowered.is_trivial and scale > 0, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
         ACC_DTYPE=tl.float64 if fp64 else tl.float32,
-        USE_TMA=tma, USE_ORDER=order is not None, DENSE=dense, FULL_RUNS=runs,
+        USE_TMA=tma, USE_ORDER=order is not None, DENSE=dense, FULL_RUNS=runs, KV_ROWS=kv_rows,
     )
     if order is not None:
         def grid(bm, _bn):  # one program per tile, in the order's order
@@ -418,7 +471,8 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     if meta:  # one fixed configuration: fall back to smaller tiles if it does not fit the GPU
         meta = dict(meta)
         bm, bn = meta.pop("BLOCK_M"), meta.pop("BLOCK_N")
-        launch(kernel, grid, args, bm, bn, meta, constexprs, pinned=opts.pins_tiles)
+        launch(kernel, grid, args, bm, bn, meta, constexprs, pinned=opts.pins_tiles,
+               fit=fit_kv_blocks if kv_rows else None)
     else:  # the autotuner skips configurations that do not fit
         kernel.launch(lambda meta_: grid(meta_["BLOCK_M"], meta_["BLOCK_N"]), args, constexprs)
     return out, lse, row_stats

@@ -37,8 +37,10 @@ def arg_key(args) -> tuple:
 
     Per argument: a tensor's dtype and whether its address is a multiple of 16 bytes; an int's
     class (1, multiple of 16 or not, in the 32-bit range or not, 64-bit unsigned); the type of a
-    float; any other value with its type (None, bools, strings). Launches of one kernel with equal
-    keys and equal constexprs run the same compiled kernel (on NVIDIA GPUs; see _direct_key).
+    float; a tensor descriptor's base (as a tensor), rank, options and the classes of its shape
+    and strides (its block shape follows the tile constexprs: see ``launch``'s ``fit``); any other
+    value with its type (None, bools, strings). Launches of one kernel with equal keys and equal
+    constexprs run the same compiled kernel (on NVIDIA GPUs; see _direct_key).
     Raises TypeError for unhashable values.
     """
     key = []
@@ -54,6 +56,9 @@ def arg_key(args) -> tuple:
             append(float)
         elif isinstance(a, torch.Tensor):
             append((a.dtype, a.data_ptr() & 15 == 0))
+        elif t.__name__ == "TensorDescriptor":
+            append((t, a.base.dtype, a.base.data_ptr() & 15 == 0, arg_key(a.shape), arg_key(a.strides),
+                    getattr(a, "padding", None), getattr(a, "round_f32_to_tf32", None)))  # newer triton
         else:  # tagged with its type: True must not key as the int 1 (triton makes 1 a constexpr)
             append((t, a))
     return tuple(key)
@@ -213,17 +218,22 @@ def _describe(bm: int, bn: int, meta: dict) -> str:
 
 def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: int, meta: dict,
            kwargs: dict, *, pinned: bool = False,
-           tile_names: tuple[str, str] = ("BLOCK_M", "BLOCK_N")) -> tuple[int, int, dict]:
+           tile_names: tuple[str, str] = ("BLOCK_M", "BLOCK_N"),
+           fit: Callable[[tuple, dict], None] | None = None) -> tuple[int, int, dict]:
     """Launch ``kernel[grid(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, **meta, **kwargs)`` (the tile
     constexprs are named by ``tile_names``).
 
     On the GPU a configuration that runs out of shared memory is replaced by the next of
     :func:`smaller_configs`. ``pinned`` says the user chose the configuration in ``kernel_options``;
-    they are then warned once which configuration ran instead. Returns the configuration that ran.
+    they are then warned once which configuration ran instead. ``fit(args, constexprs)`` is called
+    before each launch with the configuration about to run (tensor descriptors take their block
+    shape from the tiles). Returns the configuration that ran.
     """
     direct = _direct_key(kernel, args, tuple(kwargs.items()), (tile_names, bm, bn, *meta.items()))
     entry = _entry(direct, kernel)
     if entry is not None:  # extra: the configuration that ran
+        if fit is not None:
+            fit(args, {tile_names[0]: entry.extra[0], tile_names[1]: entry.extra[1], **entry.extra[2]})
         entry.launch(grid(entry.extra[0], entry.extra[1]), args)
         return entry.extra
     key = (id(kernel), tile_names, bm, bn, tuple(sorted(meta.items())),
@@ -233,6 +243,8 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
     error = None
     for bm, bn, meta in smaller_configs(bm, bn, meta):
         full = {tile_names[0]: bm, tile_names[1]: bn, **meta, **kwargs}
+        if fit is not None:
+            fit(args, full)
         try:
             compiled = kernel[grid(bm, bn)](*args, **full)
         except Exception as e:  # noqa: BLE001 - only triton's OutOfResources is retried
@@ -259,8 +271,10 @@ class Tuned:
     work over every argument, which costs more than a decoding step's kernel on the GPU.
     """
 
-    def __init__(self, tuner):
+    def __init__(self, tuner, fit: Callable[[tuple, dict], None] | None = None):
+        # fit(args, constexprs): as launch's; the autotuner's own launches use its configs' pre_hook.
         self.tuner = tuner
+        self.fit = fit
         self.chosen: dict = {}
 
     def launch(self, grid, args: tuple, kwargs: dict, key: tuple = ()) -> None:
@@ -269,6 +283,8 @@ class Tuned:
         direct = _direct_key(self, args, tuple(kwargs.items()), key)
         entry = _entry(direct, self)
         if entry is not None:  # extra: the constexprs and options of the tuned configuration
+            if self.fit is not None:
+                self.fit(args, entry.extra)
             entry.launch(grid(entry.extra) if callable(grid) else grid, args)
             return
         full_key = (key, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
@@ -283,6 +299,8 @@ class Tuned:
             self.chosen[full_key] = self.tuner.best_config
             return
         full = {**kwargs, **config.all_kwargs()}
+        if self.fit is not None:
+            self.fit(args, full)
         compiled = self.tuner.fn[grid](*args, **full)
         if config is self.chosen.get(full_key):  # not the untuned stand-in of a capture
             _remember(direct, self.tuner.fn, compiled, args, full, full, owner=self)

@@ -218,6 +218,59 @@ def test_tensor_descriptor_path(monkeypatch, shape, mod_name):
     assert used == [True]
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "batch_broadcast", "head_broadcast", "heads_inner", "ragged"])
+def test_tensor_descriptor_layouts(monkeypatch, layout):
+    """K and V are read through descriptors made on the host over all their rows where the batch
+    and head strides are multiples of the row stride (a batch or head that expand() broadcast, of
+    stride 0, included) and no key tile passes the end of a head; otherwise (a (B, S, H, D) memory
+    layout viewed as (B, H, S, D), ragged key lengths) through descriptors per head, which
+    zero-fill past the end."""
+    import flexcore.kernels.forward as fwd
+
+    monkeypatch.setattr(fwd, "TMA", True)
+    monkeypatch.setattr(fwd, "KV_ROWS", True)  # by default at head dim 128 only
+    gen = torch.Generator().manual_seed(seed_of("tma_layout", layout))
+    S = 70 if layout == "ragged" else 64
+
+    def kv():
+        if layout == "batch_broadcast":
+            return torch.randn(1, 4, S, 32, generator=gen, dtype=torch.bfloat16).expand(2, -1, -1, -1)
+        if layout == "head_broadcast":
+            return torch.randn(2, 1, S, 32, generator=gen, dtype=torch.bfloat16).expand(-1, 4, -1, -1)
+        if layout == "heads_inner":
+            return torch.randn(2, S, 4, 32, generator=gen, dtype=torch.bfloat16).transpose(1, 2)
+        return torch.randn(2, 4, S, 32, generator=gen, dtype=torch.bfloat16)
+
+    q = torch.randn(2, 4, 40, 32, generator=gen, dtype=torch.bfloat16)
+    k, v = kv(), kv()
+    descs = []
+    real = fwd.kv_rows_descriptor
+    monkeypatch.setattr(fwd, "kv_rows_descriptor", lambda *a: descs.append(real(*a)) or descs[-1])
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + 30 >= kv_idx, None, None, 40, S, BLOCK_SIZE=32)
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert_matches_reference(q, k, v, None, bm, out, lse, f"tma/{layout}")
+    rows = {"contiguous": 2 * 4 * 64, "batch_broadcast": 4 * 64, "head_broadcast": 2 * 64}.get(layout)
+    assert [d and d.shape for d in descs] == [rows and [rows, 32]] * 2
+
+
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_kv_rows_by_head_dim(monkeypatch, D):
+    """By default K/V descriptors over all rows are made at head dim 128 only (KV_ROWS_HEAD_DIMS);
+    other head dims build a descriptor per program."""
+    import flexcore.kernels.forward as fwd
+
+    monkeypatch.setattr(fwd, "TMA", True)
+    made = []
+    real = fwd.kv_rows_descriptor
+    monkeypatch.setattr(fwd, "kv_rows_descriptor", lambda *a: made.append(real(*a)) or made[-1])
+    gen = torch.Generator().manual_seed(seed_of("kv_rows_dim", D))
+    q, k, v = (torch.randn(1, 2, 64, D, generator=gen, dtype=torch.bfloat16) for _ in range(3))
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 64, 64, BLOCK_SIZE=32)
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert_matches_reference(q, k, v, None, bm, out, lse, f"kv_rows/{D}")
+    assert len(made) == (2 if D == 128 else 0) and all(d is not None for d in made)
+
+
 def test_tensor_descriptors_need_aligned_rows():
     import flexcore.kernels.forward as fwd
 

@@ -221,25 +221,26 @@ def test_fallback_configuration_is_launched_directly(gpu_like):
     assert compiled.launches[-1][9:] == (y, 5, 1.0, 64, 64, True)
 
 
+class _Tuner:
+    """A stand-in autotuner over two configurations of ``kernel`` that always picks the second
+    (BLOCK_M=32); counts its tunings."""
+
+    def __init__(self, kernel):
+        import triton
+
+        self.fn, self.tunings = kernel, 0
+        self.configs = [triton.Config({"BLOCK_M": 64}, num_warps=4), triton.Config({"BLOCK_M": 32}, num_warps=4)]
+        self.best_config = self.configs[1]
+
+    def __getitem__(self, grid):
+        def call(*args, **kwargs):
+            self.tunings += 1
+        return call
+
+
 def test_tuned_launch_is_direct_once_tuned(gpu_like):
-    import triton
-
     kernel = _Kernel(names=("x", "n", "scale", "BLOCK_M"))
-    configs = [triton.Config({"BLOCK_M": 64}, num_warps=4), triton.Config({"BLOCK_M": 32}, num_warps=4)]
-
-    class _Tuner:
-        fn = kernel
-        best_config = configs[1]
-
-        def __init__(self):
-            self.configs, self.tunings = configs, 0
-
-        def __getitem__(self, grid):
-            def call(*args, **kwargs):
-                self.tunings += 1
-            return call
-
-    tuner = L.Tuned(_Tuner())
+    tuner = L.Tuned(_Tuner(kernel))
 
     def grid(meta):
         return (128 // meta["BLOCK_M"],)
@@ -254,3 +255,51 @@ def test_tuned_launch_is_direct_once_tuned(gpu_like):
     assert compiled.launches[-1][-2:] == (32, False)
     tuner.launch(grid, (_x(), 5, 1.0), {"FLAG": False}, key=(4,))  # another tuning key
     assert tuner.tuner.tunings == 2
+
+
+def _desc(x, shape=(4, 16), strides=(16, 1), block=(2, 16)):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(shape), list(strides), list(block))
+
+
+def test_arg_key_of_tensor_descriptors():
+    key = L.arg_key
+    x = torch.zeros(128, dtype=torch.bfloat16)
+    assert key([_desc(x)]) == key([_desc(torch.zeros(128, dtype=torch.bfloat16))])
+    assert key([_desc(x)]) == key([_desc(x, block=(4, 16))])   # block shape: from the tile constexprs
+    assert key([_desc(x)]) == key([_desc(x, shape=(5, 16))])   # same classes of ints
+    assert key([_desc(x)]) != key([_desc(x, shape=(1, 16))])   # 1 is another class
+    assert key([_desc(x)]) == key([_desc(x, strides=(32, 1))])  # strides: multiples of 16 ...
+    assert key([_desc(x, strides=(24, 1))]) != key([_desc(x)])  # ... or not
+    assert key([_desc(x)]) != key([_desc(torch.zeros(128, dtype=torch.float16))])
+    assert key([_desc(x)]) != key([x])
+
+
+def test_fit_sees_each_configuration_before_it_launches(gpu_like):
+    """launch(fit=...) calls fit with the configuration about to run: each fallback attempt, then
+    the remembered configuration before every direct launch."""
+    kernel = _Kernel(names=("x", "n", "scale", "BLOCK_M", "BLOCK_N"), fail_above=64)
+    seen = []
+
+    def fit(args, meta):
+        seen.append((args[1], meta["BLOCK_M"], meta["BLOCK_N"]))
+
+    meta = {"num_warps": 4, "num_stages": 2}
+    L.launch(kernel, lambda bm, bn: (1,), (_x(), 5, 1.0), 128, 64, meta, {}, fit=fit)
+    assert seen == [(5, 128, 64), (5, 64, 64)]  # the first attempt ran out of resources
+    L.launch(kernel, lambda bm, bn: (1,), (_x(), 6, 1.0), 128, 64, meta, {}, fit=fit)
+    assert seen[-1] == (6, 64, 64) and len(kernel.slow) == 1  # direct, fitted to what ran
+
+
+def test_tuned_fit_before_untuned_launches(gpu_like):
+    kernel = _Kernel(names=("x", "n", "scale", "BLOCK_M"))
+    seen = []
+    tuner = L.Tuned(_Tuner(kernel), fit=lambda args, meta: seen.append((args[1], meta["BLOCK_M"])))
+    for n in (5, 6, 7):
+        tuner.launch(lambda meta: (1,), (_x(), n, 1.0), {}, key=(3,))
+    # The tuning call fits through the configs' pre_hook (triton's autotuner); then through
+    # triton once, then directly.
+    assert seen == [(6, 32), (7, 32)]
+    compiled, = kernel.compiled.values()
+    assert len(kernel.slow) == 1 and len(compiled.launches) == 1
