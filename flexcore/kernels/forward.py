@@ -265,6 +265,13 @@ KV_ROWS_HEAD_DIMS = {128}
 KV_ROWS: bool | None = None
 
 
+def _head_offsets_fit_int32(t: torch.Tensor) -> bool:
+    """Whether every (batch, head) slice of ``t`` (B, H, rows, D) starts within 2**31 - 1 elements:
+    kernels that read all rows through one descriptor compute b·stride_b + h·stride_h in int32."""
+    B, H = t.shape[:2]
+    return (B - 1) * t.stride(0) + (H - 1) * t.stride(1) < 2 ** 31
+
+
 def kv_rows_descriptor(t: torch.Tensor, tma: bool, even: bool):
     """A tensor descriptor made on the host over every row of ``t`` (B, H, rows, D), based at t
     itself with row stride ``t.stride(2)``, as the forward reads K and V: blocks of [BLOCK_N, D],
@@ -272,8 +279,9 @@ def kv_rows_descriptor(t: torch.Tensor, tma: bool, even: bool):
     at row (b·stride_b + h·stride_h) / stride_row + n, so the batch and head strides must be
     multiples of the row stride (0 included: a broadcast batch or head reads the same rows), and
     ``even``: the key tiles must never pass the end of a head, which a descriptor per head would
-    zero-fill. None where that does not hold, or ``tma`` is off."""
-    if not tma or not even:
+    zero-fill. None where that does not hold, where a head's first row lies past int32 offsets, or
+    ``tma`` is off."""
+    if not tma or not even or not _head_offsets_fit_int32(t):
         return None
     B, H, S, D = t.shape
     sb, sh, sn, _ = t.stride()
@@ -319,10 +327,12 @@ FULL_RUNS = True
 def q_rows_descriptor(q: torch.Tensor, tma: bool) -> int:
     """The row count of a descriptor over every row of ``q`` (B, H, L, D), based at q itself with
     row stride ``q.stride(2)``, when the warp-specialized dense loop may read Q that way (K/V read
-    through descriptors, batch and head strides multiples of the row stride); 0 otherwise."""
+    through descriptors, batch and head strides multiples of the row stride, every head's first row
+    within int32 offsets); 0 otherwise."""
     B, H, L, _ = q.shape
     sb, sh, sm, _ = q.stride()
-    if not tma or sm <= 0 or sb % sm or sh % sm or not use_tma((q,), True, True):
+    if (not tma or sm <= 0 or sb % sm or sh % sm or not _head_offsets_fit_int32(q)
+            or not use_tma((q,), True, True)):
         return 0
     return (B - 1) * (sb // sm) + (H - 1) * (sh // sm) + L
 

@@ -38,7 +38,8 @@ def arg_key(args) -> tuple:
     Per argument: a tensor's dtype and whether its address is a multiple of 16 bytes; an int's
     class (1, multiple of 16 or not, in the 32-bit range or not, 64-bit unsigned); the type of a
     float; a tensor descriptor's base (as a tensor), rank, options and the classes of its shape
-    and strides (its block shape follows the tile constexprs: see ``launch``'s ``fit``); any other
+    and strides (not its block shape: callers derive it from constexprs that are in the key, the
+    tiles through ``launch``'s and ``Tuned``'s ``fit``, the head dims); any other
     value with its type (None, bools, strings). Launches of one kernel with equal keys and equal
     constexprs run the same compiled kernel (on NVIDIA GPUs; see _direct_key).
     Raises TypeError for unhashable values.

@@ -268,7 +268,46 @@ def test_kv_rows_by_head_dim(monkeypatch, D):
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 64, 64, BLOCK_SIZE=32)
     out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
     assert_matches_reference(q, k, v, None, bm, out, lse, f"kv_rows/{D}")
-    assert len(made) == (2 if D == 128 else 0) and all(d is not None for d in made)
+    assert len(made) == (2 if D == 128 else 0) and None not in made
+
+
+def test_autotuned_configurations_fit_the_descriptors(monkeypatch):
+    """On the GPU the forward autotunes: each configuration's pre_hook gives the K/V descriptors its
+    BLOCK_N before triton's autotuner launches it, and the Tuned launcher fits them before its own
+    launches. (Under the interpreter the forward does not autotune, so this wiring is checked here
+    with the GPU branch of _launcher.)"""
+    import flexcore.kernels.forward as fwd
+    from flexcore.kernels.codegen import load_kernel_module
+    from flexcore.lowering import lower_mask_mod, lower_score_mod
+
+    module = load_kernel_module("forward.py.tmpl", lower_score_mod(None), lower_mask_mod(None))
+    monkeypatch.setattr(fwd, "use_interpreter", lambda: False)
+    monkeypatch.setattr(fwd, "_autotuners", {})
+    tuner, meta = fwd._launcher(module, 128, torch.bfloat16, (128, 128), KernelOptions(), 4096, kv_rows=True)
+    assert meta == {} and tuner.fit is fwd.fit_kv_blocks
+    k = torch.zeros(2, 3, 128, 128, dtype=torch.bfloat16)
+    descs = [fwd.kv_rows_descriptor(k, True, True) for _ in range(2)]
+    for config in tuner.tuner.configs:
+        config.pre_hook({"K": descs[0], "V": descs[1], **config.kwargs})
+        assert [d.block_shape for d in descs] == [[config.kwargs["BLOCK_N"], 128]] * 2
+    tuner.fit((None, *descs), {"BLOCK_N": 32})
+    assert [d.block_shape for d in descs] == [[32, 128]] * 2
+    plain, _ = fwd._launcher(module, 64, torch.bfloat16, (128, 128), KernelOptions(), 4096)
+    assert plain.fit is None and all(c.pre_hook is None for c in plain.tuner.configs)
+
+
+def test_descriptors_over_all_rows_need_int32_head_offsets():
+    """Kernels reading all rows through one descriptor compute b·stride_b + h·stride_h in int32: a
+    tensor whose last head starts past 2**31 - 1 elements keeps the per-head descriptors (and no warp
+    specialization, which reads Q and the backward's tensors the same way)."""
+    import flexcore.kernels.forward as fwd
+
+    big = torch.empty(2, 32, 270336, 128, dtype=torch.bfloat16, device="meta")  # last head at 2.18e9
+    assert not fwd._head_offsets_fit_int32(big)
+    assert fwd.kv_rows_descriptor(big, True, True) is None
+    assert fwd.q_rows_descriptor(big, True) == 0
+    fits = torch.empty(2, 32, 262144, 128, dtype=torch.bfloat16, device="meta")  # last head at 2.11e9
+    assert fwd._head_offsets_fit_int32(fits)
 
 
 def test_tensor_descriptors_need_aligned_rows():

@@ -298,8 +298,9 @@ def test_tuned_fit_before_untuned_launches(gpu_like):
     tuner = L.Tuned(_Tuner(kernel), fit=lambda args, meta: seen.append((args[1], meta["BLOCK_M"])))
     for n in (5, 6, 7):
         tuner.launch(lambda meta: (1,), (_x(), n, 1.0), {}, key=(3,))
-    # The tuning call fits through the configs' pre_hook (triton's autotuner); then through
-    # triton once, then directly.
+    # The tuning call is the autotuner's own (in real use its configs' pre_hook fits the
+    # descriptors: test_attention.py); Tuned fits before its launch through triton, then before
+    # each direct one.
     assert seen == [(6, 32), (7, 32)]
     compiled, = kernel.compiled.values()
     assert len(kernel.slow) == 1 and len(compiled.launches) == 1
