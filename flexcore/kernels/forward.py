@@ -265,32 +265,30 @@ KV_ROWS_HEAD_DIMS = {128}
 KV_ROWS: bool | None = None
 
 
-def _head_offsets_fit_int32(t: torch.Tensor) -> bool:
-    """Whether every (batch, head) slice of ``t`` (B, H, rows, D) starts within 2**31 - 1 elements:
-    kernels that read all rows through one descriptor compute b·stride_b + h·stride_h in int32."""
-    B, H = t.shape[:2]
-    return (B - 1) * t.stride(0) + (H - 1) * t.stride(1) < 2 ** 31
+def _all_rows(t: torch.Tensor) -> int:
+    """The row count of one descriptor over every row of ``t`` (B, H, L, D), based at t itself with
+    row stride ``t.stride(2)``, from which a kernel reads head (b, h) at row
+    (b·stride_b + h·stride_h) / stride_row: where the batch and head strides are multiples of the
+    row stride (0 included: a broadcast batch or head reads the same rows) and every head starts
+    within 2**31 - 1 elements (the kernels compute that offset in int32); 0 otherwise."""
+    B, H, L, _ = t.shape
+    sb, sh, sm, _ = t.stride()
+    if sm <= 0 or sb % sm or sh % sm or (B - 1) * sb + (H - 1) * sh >= 2 ** 31:
+        return 0
+    return (B - 1) * (sb // sm) + (H - 1) * (sh // sm) + L
 
 
 def kv_rows_descriptor(t: torch.Tensor, tma: bool, even: bool):
-    """A tensor descriptor made on the host over every row of ``t`` (B, H, rows, D), based at t
-    itself with row stride ``t.stride(2)``, as the forward reads K and V: blocks of [BLOCK_N, D],
-    whose BLOCK_N ``fit_kv_blocks`` sets per launch (64 until then). The kernel reads a head's tile
-    at row (b·stride_b + h·stride_h) / stride_row + n, so the batch and head strides must be
-    multiples of the row stride (0 included: a broadcast batch or head reads the same rows), and
-    ``even``: the key tiles must never pass the end of a head, which a descriptor per head would
-    zero-fill. None where that does not hold, where a head's first row lies past int32 offsets, or
-    ``tma`` is off."""
-    if not tma or not even or not _head_offsets_fit_int32(t):
-        return None
-    B, H, S, D = t.shape
-    sb, sh, sn, _ = t.stride()
-    if sn <= 0 or sb % sn or sh % sn:
+    """A tensor descriptor made on the host over every row of ``t`` (B, H, rows, D) (see _all_rows),
+    as the forward reads K and V: blocks of [BLOCK_N, D], whose BLOCK_N ``fit_kv_blocks`` sets per
+    launch (64 until then). ``even``: the key tiles never pass the end of a head, which a descriptor
+    per head would zero-fill. None where _all_rows refuses t, or ``tma`` or ``even`` is off."""
+    rows = _all_rows(t) if tma and even else 0
+    if not rows:
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    rows = (B - 1) * (sb // sn) + (H - 1) * (sh // sn) + S
-    return TensorDescriptor(t, [rows, D], [sn, 1], [64, D])
+    return TensorDescriptor(t, [rows, t.shape[3]], [t.stride(2), 1], [64, t.shape[3]])
 
 
 def fit_kv_blocks(args: tuple, meta: dict) -> None:
@@ -301,9 +299,7 @@ def fit_kv_blocks(args: tuple, meta: dict) -> None:
 
 
 def _fit_kv_hook(nargs: dict) -> None:  # triton.Config pre_hook: the autotuner's own launches
-    block_n = nargs["BLOCK_N"]
-    nargs["K"].block_shape[0] = block_n
-    nargs["V"].block_shape[0] = block_n
+    fit_kv_blocks((None, nargs["K"], nargs["V"]), nargs)
 
 
 # The dense path's candidates (masks whose blocks are all full), as _GPU_CONFIGS. Measured on an
@@ -325,16 +321,11 @@ FULL_RUNS = True
 
 
 def q_rows_descriptor(q: torch.Tensor, tma: bool) -> int:
-    """The row count of a descriptor over every row of ``q`` (B, H, L, D), based at q itself with
-    row stride ``q.stride(2)``, when the warp-specialized dense loop may read Q that way (K/V read
-    through descriptors, batch and head strides multiples of the row stride, every head's first row
-    within int32 offsets); 0 otherwise."""
-    B, H, L, _ = q.shape
-    sb, sh, sm, _ = q.stride()
-    if (not tma or sm <= 0 or sb % sm or sh % sm or not _head_offsets_fit_int32(q)
-            or not use_tma((q,), True, True)):
-        return 0
-    return (B - 1) * (sb // sm) + (H - 1) * (sh // sm) + L
+    """The row count of a descriptor over every row of ``q`` (B, H, L, D) (see _all_rows) when the
+    warp-specialized loops may read it that way (K/V read through descriptors, q's rows aligned for
+    them); 0 otherwise."""
+    rows = _all_rows(q) if tma else 0
+    return rows if rows and use_tma((q,), True, True) else 0
 
 
 def _candidates(head_dim_pad: int, itemsize: int, dense: bool) -> list[tuple[int, int, int, int]]:

@@ -303,11 +303,11 @@ def test_descriptors_over_all_rows_need_int32_head_offsets():
     import flexcore.kernels.forward as fwd
 
     big = torch.empty(2, 32, 270336, 128, dtype=torch.bfloat16, device="meta")  # last head at 2.18e9
-    assert not fwd._head_offsets_fit_int32(big)
+    assert fwd._all_rows(big) == 0
     assert fwd.kv_rows_descriptor(big, True, True) is None
     assert fwd.q_rows_descriptor(big, True) == 0
     fits = torch.empty(2, 32, 262144, 128, dtype=torch.bfloat16, device="meta")  # last head at 2.11e9
-    assert fwd._head_offsets_fit_int32(fits)
+    assert fwd._all_rows(fits) == 2 * 32 * 262144
 
 
 def test_tensor_descriptors_need_aligned_rows():
