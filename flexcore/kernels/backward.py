@@ -85,6 +85,12 @@ def q_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
 # A mod with many live values can exceed shared memory: see flexcore.kernels.launch.
 _DKDV_CONFIGS = {64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 1)}
 _DQ_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (64, 32, 4, 1)}
+# dQ tiles where the score_mod is not the identity, or the mask has no partial block (dense path):
+# 64 keys per step, so one launch keeps 3 stages. Measured on an H200 (bench/NOTES.md entry 34,
+# backward alone, 4k / 16k): softcap + causal +12% / +7%, softcap without a mask +5% / +6%, noop +4% /
+# +1%, ALiBi + causal +1%; with the identity score_mod and a partial mask (causal, prefix, sliding
+# window, document) 1-4% slower, so those keep _DQ_CONFIGS.
+_DQ_CONFIGS_SCORE_OR_DENSE = {128: (128, 64, 8, 3)}
 # Padded head dims whose backward may run as one launch (_tune_layout decides per kernel and size).
 _FUSED_HEAD_DIMS = frozenset({128})
 
@@ -163,8 +169,10 @@ def _head_dim_key(head_dim_pad: int) -> int:
     return min((k for k in _DKDV_CONFIGS if k >= head_dim_pad), default=256)
 
 
-def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int, sparse_kv: int):
-    """((BLOCK_M, BLOCK_N, meta) for dK/dV, (BLOCK_M, BLOCK_N, meta) for dQ)."""
+def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int, sparse_kv: int,
+           score_or_dense: bool = False):
+    """((BLOCK_M, BLOCK_N, meta) for dK/dV, (BLOCK_M, BLOCK_N, meta) for dQ); ``score_or_dense``:
+    the score_mod is not the identity or the dense path runs (see _DQ_CONFIGS_SCORE_OR_DENSE)."""
     if use_interpreter():
         # The interpreter costs the same per loop step whatever the tile: use large tiles.
         bm = fit_tile(64, sparse_q, "query")
@@ -173,7 +181,10 @@ def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int,
     else:
         key = _head_dim_key(head_dim_pad)
         configs = []
-        for table in (_DKDV_CONFIGS, _DQ_CONFIGS):
+        dq_table = _DQ_CONFIGS
+        if score_or_dense and key in _DQ_CONFIGS_SCORE_OR_DENSE:
+            dq_table = _DQ_CONFIGS_SCORE_OR_DENSE
+        for table in (_DKDV_CONFIGS, dq_table):
             m, n, w, s = table[key]
             if itemsize == 4:  # float32 tiles take twice the registers and shared memory
                 m, n, s = max(16, m // 2), max(16, n // 2), max(1, s - 1)
@@ -237,8 +248,16 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         raise ValueError(f"q_blocks.sparse_block {q_blocks.sparse_block} is not the transpose of "
                          f"kv_blocks.sparse_block {kv_blocks.sparse_block}")
     itemsize = q.element_size()
+    head_dim_key = _head_dim_key(max(head_dim_pad, head_dim_v_pad))
+    trivial = score_lowered.is_trivial
+    # The dense path and its warp-specialized loops (see DENSE and WARP_SPEC); the tables' all_full
+    # is read only where the rules could take it.
+    ws_rule = WARP_SPEC is True or (WARP_SPEC is None and head_dim_key in DENSE_HEAD_DIMS and not trivial)
+    dense_rule = DENSE is True or (DENSE is None and head_dim_key in DENSE_HEAD_DIMS and trivial)
+    dense = (DENSE is not False and (ws_rule or dense_rule)
+             and kv_blocks.all_full(math.ceil(L / sparse_q), math.ceil(S / sparse_kv)))
     (bm1, bn1, meta1), (bm2, bn2, meta2) = _tiles(
-        opts, max(head_dim_pad, head_dim_v_pad), itemsize, sparse_q, sparse_kv)
+        opts, max(head_dim_pad, head_dim_v_pad), itemsize, sparse_q, sparse_kv, not trivial or dense)
     pinned = opts.pins_tiles
     upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
@@ -287,14 +306,6 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     qn, qi = q_blocks.full_tables()
     kn, ki = kv_blocks.full_tables()
     gqa = Hq // Hkv
-    head_dim_key = _head_dim_key(max(head_dim_pad, head_dim_v_pad))
-    trivial = score_lowered.is_trivial
-    # The dense path and its warp-specialized loops (see DENSE and WARP_SPEC); the tables' all_full
-    # is read only where the rules could take it.
-    ws_rule = WARP_SPEC is True or (WARP_SPEC is None and head_dim_key in DENSE_HEAD_DIMS and not trivial)
-    dense_rule = DENSE is True or (DENSE is None and head_dim_key in DENSE_HEAD_DIMS and trivial)
-    dense = (DENSE is not False and (ws_rule or dense_rule)
-             and kv_blocks.all_full(math.ceil(L / sparse_q), math.ceil(S / sparse_kv)))
     # On the GPU only with 8-warp tiles for both kinds: at 4 warps triton 3.6 partitions the loops
     # and a forced run at head dim 64 gave NaN gradients once in two GPU test runs (entry 31).
     eight_warps = use_interpreter() or meta1.get("num_warps") == meta2.get("num_warps") == 8

@@ -607,6 +607,46 @@ def test_dense_backward_by_default(monkeypatch, head_dim, mod_name, dense):
     assert seen and all(flags[1:] == (dense, False, False) for flags in seen), seen
 
 
+@pytest.mark.parametrize("head_dim,mod_name,score_or_dense", [
+    (128, "noop", True), (128, "causal", False), (128, "softcap", True), (128, "alibi", True),
+    (128, "document", False), (64, "noop", False), (64, "softcap", True)])
+def test_dq_tiles_follow_the_score_mod_and_the_mask(monkeypatch, head_dim, mod_name, score_or_dense):
+    """The backward asks for the dQ tiles of a score_mod or a dense mask (entry 34 of bench/NOTES.md)
+    exactly when the score_mod is not the identity or the dense loops run; gradients against float64."""
+    from flexcore.kernels import backward as bwd
+
+    asked, real = [], bwd._tiles
+
+    def spy(*args):
+        asked.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(bwd, "_tiles", spy)
+    shape = Shape("dq_tiles", B=1, Hq=2, Hkv=2, L=64, S=96, D=head_dim, Dv=head_dim, block=32)
+    check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("dq_tiles", mod_name, head_dim))
+    assert asked == [score_or_dense]
+
+
+def test_dq_tiles_on_the_gpu_by_table(monkeypatch):
+    """The GPU's tiles (the interpreter takes its own): at head dim 128 a score_mod or a dense mask
+    gives dQ programs 64 keys per step at 3 stages, and one launch then keeps 3 stages; other head
+    dims and float32 tiles follow their tables."""
+    from flexcore.kernels import backward as bwd
+
+    monkeypatch.setattr(bwd, "use_interpreter", lambda: False)
+    opts = KernelOptions()
+    dkdv, dq = bwd._tiles(opts, 128, 2, 128, 128, True)
+    assert (dq[0], dq[1], dq[2]["num_stages"], dq[2]["num_warps"]) == (128, 64, 3, 8)
+    assert (dkdv[0], dkdv[1], dkdv[2]["num_stages"]) == (64, 128, 3)
+    _, dq = bwd._tiles(opts, 128, 2, 128, 128, False)
+    assert (dq[0], dq[1], dq[2]["num_stages"]) == (128, 128, 2)
+    _, dq = bwd._tiles(opts, 128, 4, 128, 128, True)  # float32: half the tile, one stage less
+    assert (dq[0], dq[1], dq[2]["num_stages"]) == (64, 32, 2)
+    assert bwd._tiles(opts, 64, 2, 128, 128, True) == bwd._tiles(opts, 64, 2, 128, 128, False)
+    _, dq = bwd._tiles(opts, 128, 2, 32, 32, True)  # mask blocks of 32 bound the tiles
+    assert (dq[0], dq[1]) == (32, 32)
+
+
 def test_warp_spec_rows_follow_the_layout(monkeypatch):
     """Descriptors over all rows need batch and head strides that are multiples of the row stride:
     padded strides qualify, heads-inner memory does not, and then none of the four tensors does."""
@@ -778,6 +818,37 @@ def test_warp_specialized_backward_repeats_bit_identically_gpu(monkeypatch, mod_
             first = grads
         assert all(torch.equal(a, b) for a, b in zip(grads, first))
     assert seen and all(flags[1:] == (True, True, True) for flags in seen), seen
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fused", [None, True, False], ids=["tuned", "one-launch", "two-launches"])
+@pytest.mark.parametrize("mod_name,dq_block_n", [("noop", 64), ("causal", 128), ("softcap", 64),
+                                                 ("alibi", 64)])
+def test_dq_tiles_by_mod_gpu(monkeypatch, fused, mod_name, dq_block_n):
+    """At head dim 128 the dQ programs step over 64 keys with a score_mod or a dense mask and over
+    128 with a partial mask alone (entry 34 of bench/NOTES.md), in either launch layout; gradients
+    against float64."""
+    from flexcore.kernels import backward as bwd
+
+    monkeypatch.setattr(bwd, "FUSED", fused)
+    seen, real_launch, real_run = set(), bwd.launch, bwd.run
+
+    def launch_spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
+        if constexprs.get("PHASE") == 2:
+            seen.add(bn)
+        return real_launch(kernel, grid, args, bm, bn, meta, constexprs, **kw)
+
+    def run_spy(kernel, grid, args, kwargs):
+        if kwargs.get("PHASE") == 0:
+            seen.add(kwargs["DQ_BLOCK_N"])
+        return real_run(kernel, grid, args, kwargs)
+
+    monkeypatch.setattr(bwd, "launch", launch_spy)
+    monkeypatch.setattr(bwd, "run", run_spy)
+    check_backward(_GPU_SHAPES["gpu_1k"], mod_name, torch.bfloat16, seed=seed_of("gpu_dq_tiles", mod_name),
+                   device="cuda")
+    assert seen == {dq_block_n}, seen
 
 
 @pytest.mark.gpu
