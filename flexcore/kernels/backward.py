@@ -248,7 +248,8 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         raise ValueError(f"q_blocks.sparse_block {q_blocks.sparse_block} is not the transpose of "
                          f"kv_blocks.sparse_block {kv_blocks.sparse_block}")
     itemsize = q.element_size()
-    head_dim_key = _head_dim_key(max(head_dim_pad, head_dim_v_pad))
+    head_dim_max = max(head_dim_pad, head_dim_v_pad)  # tiles and paths follow the larger head dim
+    head_dim_key = _head_dim_key(head_dim_max)
     trivial = score_lowered.is_trivial
     # The dense path and its warp-specialized loops (see DENSE and WARP_SPEC); the tables' all_full
     # is read only where the rules could take it.
@@ -257,7 +258,7 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     dense = (DENSE is not False and (ws_rule or dense_rule)
              and kv_blocks.all_full(math.ceil(L / sparse_q), math.ceil(S / sparse_kv)))
     (bm1, bn1, meta1), (bm2, bn2, meta2) = _tiles(
-        opts, max(head_dim_pad, head_dim_v_pad), itemsize, sparse_q, sparse_kv, not trivial or dense)
+        opts, head_dim_max, itemsize, sparse_q, sparse_kv, not trivial or dense)
     pinned = opts.pins_tiles
     upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
@@ -324,7 +325,7 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         B * Hq * L, L, S, Hq, Hkv, scale, scale * _LOG2E, *ws_rows, *caps, *grad_args)
     by_table = head_dim_key in _FUSED_HEAD_DIMS
     tma = ws or use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, TMA)
-    runs = uses_runs(max(head_dim_pad, head_dim_v_pad), trivial)
+    runs = uses_runs(head_dim_max, trivial)
     common.update(GQA_GROUP=gqa, WRITE_CAPTURED_GRADS=bool(grad_buffers), USE_TMA=tma,
                   P_FROM_LSE=p_from_lse, DENSE=dense,
                   DKDV_WARP_SPEC=ws and "dkdv" in WARP_SPEC_KINDS, DQ_WARP_SPEC=ws and "dq" in WARP_SPEC_KINDS,

@@ -548,19 +548,16 @@ def test_one_read_back_per_new_mask(monkeypatch, head_dim, mod_name, expected):
         assert torch.equal(t.grad, g)
 
 
-def _bwd_path_spy(monkeypatch) -> list:
-    """(PHASE, DENSE, DKDV_WARP_SPEC, DQ_WARP_SPEC) of every flex_bwd_kernel launch, in order."""
+def _bwd_launch_spy(monkeypatch, record) -> None:
+    """Call ``record(constexprs)`` at every launch of the backward module (``launch`` and ``run``),
+    with the tiles that ``launch`` takes positionally under their names."""
     from flexcore.kernels import backward as bwd
 
-    seen = []
     real_launch, real_run = bwd.launch, bwd.run
 
-    def record(constexprs):
-        if "PHASE" in constexprs:
-            seen.append(tuple(constexprs[k] for k in ("PHASE", "DENSE", "DKDV_WARP_SPEC", "DQ_WARP_SPEC")))
-
     def launch_spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
-        record(constexprs)
+        names = kw.get("tile_names", ("BLOCK_M", "BLOCK_N"))
+        record({names[0]: bm, names[1]: bn, **constexprs})
         return real_launch(kernel, grid, args, bm, bn, meta, constexprs, **kw)
 
     def run_spy(kernel, grid, args, kwargs):
@@ -569,6 +566,17 @@ def _bwd_path_spy(monkeypatch) -> list:
 
     monkeypatch.setattr(bwd, "launch", launch_spy)
     monkeypatch.setattr(bwd, "run", run_spy)
+
+
+def _bwd_path_spy(monkeypatch) -> list:
+    """(PHASE, DENSE, DKDV_WARP_SPEC, DQ_WARP_SPEC) of every flex_bwd_kernel launch, in order."""
+    seen = []
+
+    def record(constexprs):
+        if "PHASE" in constexprs:
+            seen.append(tuple(constexprs[k] for k in ("PHASE", "DENSE", "DKDV_WARP_SPEC", "DQ_WARP_SPEC")))
+
+    _bwd_launch_spy(monkeypatch, record)
     return seen
 
 
@@ -832,20 +840,13 @@ def test_dq_tiles_by_mod_gpu(monkeypatch, fused, mod_name, dq_block_n):
     from flexcore.kernels import backward as bwd
 
     monkeypatch.setattr(bwd, "FUSED", fused)
-    seen, real_launch, real_run = set(), bwd.launch, bwd.run
+    seen = set()
 
-    def launch_spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
-        if constexprs.get("PHASE") == 2:
-            seen.add(bn)
-        return real_launch(kernel, grid, args, bm, bn, meta, constexprs, **kw)
+    def record(constexprs):  # one launch (PHASE 0) or the dQ programs' own (PHASE 2)
+        if constexprs.get("PHASE") in (0, 2):
+            seen.add(constexprs["DQ_BLOCK_N"])
 
-    def run_spy(kernel, grid, args, kwargs):
-        if kwargs.get("PHASE") == 0:
-            seen.add(kwargs["DQ_BLOCK_N"])
-        return real_run(kernel, grid, args, kwargs)
-
-    monkeypatch.setattr(bwd, "launch", launch_spy)
-    monkeypatch.setattr(bwd, "run", run_spy)
+    _bwd_launch_spy(monkeypatch, record)
     check_backward(_GPU_SHAPES["gpu_1k"], mod_name, torch.bfloat16, seed=seed_of("gpu_dq_tiles", mod_name),
                    device="cuda")
     assert seen == {dq_block_n}, seen
