@@ -23,9 +23,10 @@ import torch
 
 from flexcore._runtime import capturing, use_interpreter
 from flexcore.kernels.codegen import HEADER, cached_module, fill_template, read_template
-from flexcore.kernels.forward import (BlockTensors, _check_tile, fit_tile, pad_head_dim, q_rows_descriptor,
-                                      use_tma)
-from flexcore.kernels.launch import launch, out_of_resources, run
+from flexcore.kernels.forward import (BlockTensors, _check_tile, ensure_tma_allocator, fit_tile, pad_head_dim,
+                                      q_rows_descriptor, use_tma)
+from flexcore.kernels.launch import (arg_key, direct_launches, get_plan, keep_plan, launch, out_of_resources,
+                                     plan_key, recording, run)
 from flexcore.options import KernelOptions
 
 _LOG2E = 1.4426950408889634
@@ -238,10 +239,115 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         ``captured_grads[i]`` is the gradient of ``score_lowered.captured[i]`` (same shape and
         dtype), or None where that tensor does not require grad.
     """
+    row_stats = row_stats.contiguous()
+    caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
+    key = _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
+                    kv_blocks, q_blocks, scale, opts, caps)
+    if key is None:
+        return _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered,
+                         mask_lowered, kv_blocks, q_blocks, scale, opts, caps)[0]
+    plan = get_plan(key)
+    if plan is not None:
+        return plan(q, k, v, out, row_stats, grad_out, caps, score_lowered.captured,
+                    score_bwd_lowered.grad_of, opts.deterministic)
+    with recording() as record:
+        result, parts = _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered,
+                                  mask_lowered, kv_blocks, q_blocks, scale, opts, caps)
+    *parts, count = parts
+    launches = direct_launches(record, count)
+    if launches is not None:
+        keep_plan(key, _BackwardPlan(launches, *parts), (kv_blocks, q_blocks))
+    return result
+
+
+def _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
+              kv_blocks, q_blocks, scale, opts, caps):
+    """Everything the backward's host decisions read besides the tables' statistics (fixed for
+    the tables) and the layout tuner's choice (fixed once made): see flexcore.kernels.launch's
+    per-call plans. None where plans are off."""
+    return plan_key(
+        "backward", score_lowered, score_bwd_lowered, mask_lowered, id(kv_blocks), id(q_blocks),
+        q.device, q.dtype, k.dtype, v.dtype, out.dtype, grad_out.dtype, row_stats.dtype,
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride(),
+        grad_out.shape, grad_out.stride(), row_stats.shape,
+        q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, out.data_ptr() & 15,
+        grad_out.data_ptr() & 15, row_stats.data_ptr() & 15, scale, opts,
+        TMA, FULL_RUNS, FULL_RUNS_MAX_HEAD_DIM, P_FROM_LSE, DENSE, frozenset(DENSE_HEAD_DIMS),
+        WARP_SPEC, frozenset(WARP_SPEC_KINDS), FUSED, frozenset(_FUSED_HEAD_DIMS),
+        arg_key(caps) if caps else ())
+
+
+def _grad_buffers(captured, grad_of, deterministic: bool, device) -> tuple[dict, list]:
+    """Zeroed buffers for the gradients of ``captured[i]``, i in ``grad_of`` (int64 fixed point
+    where ``deterministic``, else float32, float64 for float64 tensors), and the kernel's arguments
+    for them (each buffer and its strides)."""
+    grad_buffers = {}
+    grad_args = []
+    for i in grad_of:
+        if deterministic:
+            dtype = torch.int64
+        else:  # float32 atomics, or float64 ones for float64 tensors
+            dtype = torch.float64 if captured[i].dtype == torch.float64 else torch.float32
+        buf = grad_buffers[i] = torch.zeros(captured[i].shape, dtype=dtype, device=device)
+        grad_args.append(buf)
+        grad_args.extend(buf.stride())
+    return grad_buffers, grad_args
+
+
+def _captured_grads(captured, grad_buffers: dict, deterministic: bool) -> list:
+    """The gradients of the captured tensors from their buffers (None where there is none)."""
+    grads = []
+    for i, t in enumerate(captured):
+        buf = grad_buffers.get(i)
+        if buf is None:
+            grads.append(None)
+        elif deterministic:
+            grads.append((buf.double() * 2.0 ** -FIXED_POINT_BITS).to(t.dtype))
+        else:
+            grads.append(buf.to(t.dtype))
+    return grads
+
+
+class _BackwardPlan:
+    """A repeated backward call (see flexcore.kernels.launch's per-call plans): the compiled
+    preprocessing and backward kernels as they ran (one launch or two), their grids and integer
+    arguments."""
+
+    __slots__ = ("pre", "launches", "pre_fixed", "fixed", "rows_shape", "acc_dtype", "p_from_lse")
+
+    def __init__(self, launches, pre_fixed, fixed, rows_shape, acc_dtype, p_from_lse):
+        self.pre, self.launches = launches[0], tuple(launches[1:])
+        self.pre_fixed, self.fixed = pre_fixed, fixed
+        self.rows_shape, self.acc_dtype, self.p_from_lse = rows_shape, acc_dtype, p_from_lse
+
+    def __call__(self, q, k, v, out, row_stats, grad_out, caps, captured, grad_of, deterministic):
+        device = q.device
+        row_terms = torch.empty(self.rows_shape, dtype=self.acc_dtype, device=device)
+        delta = row_terms[0]
+        entry, grid = self.pre
+        entry.launch(grid, (out, grad_out, delta, row_stats, row_terms[-1], *self.pre_fixed))
+        if self.p_from_lse:
+            row_stats = row_terms[1]
+        grad_buffers, grad_args = _grad_buffers(captured, grad_of, deterministic, device) if grad_of else ({}, ())
+        dq = torch.empty(q.shape, dtype=q.dtype, device=device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=device)
+        ensure_tma_allocator()  # per thread (autograd's); cheap where set
+        args = (q, k, v, grad_out, dq, dk, dv, row_stats, delta, *self.fixed, *caps, *grad_args)
+        for entry, grid in self.launches:
+            entry.launch(grid, args)
+        return dq, dk, dv, _captured_grads(captured, grad_buffers, deterministic)
+
+
+def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
+              kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
+              caps: tuple):
+    """backward's decisions and launches: (the result, (the preprocessing launch's integer
+    arguments, the backward launches' ones between the tensors and the captures, row_terms' shape
+    and dtype, whether the kernels read lse2, the number of launches that ran))."""
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     module = backward_module(score_lowered, score_bwd_lowered, mask_lowered)
-    row_stats = row_stats.contiguous()
     head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
     sparse_q, sparse_kv = kv_blocks.sparse_block
     if q_blocks.sparse_block != (sparse_kv, sparse_q):
@@ -278,27 +384,17 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     row_terms = torch.empty((2 if p_from_lse else 1, B, Hq, L), dtype=acc_dtype, device=q.device)
     delta = row_terms[0]
     pre_m = 64
+    pre_fixed = (*out.stride(), *grad_out.stride(), B * Hq * L, L, Hq)
     run(module.flex_bwd_preprocess, (math.ceil(L / pre_m), B * Hq),
-        (out, grad_out, delta, row_stats, row_terms[-1], *out.stride(), *grad_out.stride(),
-         B * Hq * L, L, Hq),
+        (out, grad_out, delta, row_stats, row_terms[-1], *pre_fixed),
         dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_M=pre_m, ACC_DTYPE=common["ACC_DTYPE"],
              P_FROM_LSE=p_from_lse))
     if p_from_lse:
         row_stats = row_terms[1]  # the kernel reads lse2 where it read the row max, and no 1/l
 
-    captured = list(score_lowered.captured)
-    grad_buffers = {}
-    for i in score_bwd_lowered.grad_of:
-        if opts.deterministic:
-            dtype = torch.int64
-        else:  # float32 atomics, or float64 ones for float64 tensors
-            dtype = torch.float64 if captured[i].dtype == torch.float64 else torch.float32
-        grad_buffers[i] = torch.zeros(captured[i].shape, dtype=dtype, device=q.device)
-    grad_args = []
-    for i in score_bwd_lowered.grad_of:
-        grad_args.append(grad_buffers[i])
-        grad_args.extend(grad_buffers[i].stride())
-    caps = [*score_lowered.kernel_args(), *mask_lowered.kernel_args()]
+    captured = score_lowered.captured
+    grad_buffers, grad_args = _grad_buffers(captured, score_bwd_lowered.grad_of, opts.deterministic,
+                                            q.device)
 
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -315,14 +411,16 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         and L % sparse_q == 0 and S % sparse_kv == 0 and L % 4 == 0 and not score_lowered.captured)
     ws = ws_rows[0] > 0
     dense = dense and (ws or dense_rule)
-    args = (
-        q, k, v, grad_out, dq, dk, dv, row_stats, delta,
+    # The arguments are (tensors of the call, fixed, captures, gradient buffers): a plan keeps
+    # ``fixed``.
+    fixed = (
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
         kv_blocks.num_blocks, kv_blocks.indices, kn, ki,
         *kv_blocks.num_blocks.stride(), *kv_blocks.indices.stride()[:3], *kn.stride(), *ki.stride()[:3],
         q_blocks.num_blocks, q_blocks.indices, qn, qi,
         *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3], *qn.stride(), *qi.stride()[:3],
-        B * Hq * L, L, S, Hq, Hkv, scale, scale * _LOG2E, *ws_rows, *caps, *grad_args)
+        B * Hq * L, L, S, Hq, Hkv, scale, scale * _LOG2E, *ws_rows)
+    args = (q, k, v, grad_out, dq, dk, dv, row_stats, delta, *fixed, *caps, *grad_args)
     by_table = head_dim_key in _FUSED_HEAD_DIMS
     tma = ws or use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, TMA)
     runs = uses_runs(head_dim_max, trivial)
@@ -367,16 +465,8 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
             fused = _layout_choice.get(layout_key)
             if fused is None:
                 fused = _tune_layout(layout_key, run_fused, run_split, list(grad_buffers.values()))
-    if not (fused and run_fused()):
+    ran_fused = bool(fused) and run_fused()
+    if not ran_fused:
         run_split()
-
-    captured_grads = []
-    for i, t in enumerate(captured):
-        buf = grad_buffers.get(i)
-        if buf is None:
-            captured_grads.append(None)
-        elif opts.deterministic:
-            captured_grads.append((buf.double() * 2.0 ** -FIXED_POINT_BITS).to(t.dtype))
-        else:
-            captured_grads.append(buf.to(t.dtype))
-    return dq, dk, dv, captured_grads
+    result = (dq, dk, dv, _captured_grads(captured, grad_buffers, opts.deterministic))
+    return result, (pre_fixed, fixed, row_terms.shape, acc_dtype, p_from_lse, 2 if ran_fused else 3)

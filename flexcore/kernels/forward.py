@@ -10,7 +10,8 @@ import torch
 from flexcore._runtime import capturing, use_interpreter
 from flexcore.errors import InputError
 from flexcore.kernels.codegen import load_kernel_module
-from flexcore.kernels.launch import Tuned, launch
+from flexcore.kernels.launch import (Tuned, arg_key, direct_launches, get_plan, keep_plan, launch, plan_key,
+                                     recording)
 from flexcore.options import KernelOptions
 
 _LOG2E = 1.4426950408889634
@@ -247,13 +248,20 @@ def use_tma(tensors, head_dims_padded: bool, force: bool | None = None) -> bool:
         if (t.stride(-1) != 1 or t.stride(-2) <= 0 or t.data_ptr() % 16
                 or any(st * t.element_size() % 16 for st in t.stride()[:-1])):
             return False
+    ensure_tma_allocator()
+    return True
+
+
+def ensure_tma_allocator() -> None:
+    """Set triton's scratch allocator where none is set: device-side descriptors live in global
+    scratch, which each launch allocates through it. The setting is per thread (a context variable),
+    so each launch that may need it makes sure of it (the backward runs in autograd's thread)."""
     from triton.runtime import _allocation
 
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         import triton
 
         triton.set_allocator(_tma_allocator)
-    return True
 
 
 # K and V through descriptors made on the host over all their rows (kv_rows_descriptor) instead of
@@ -406,6 +414,67 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         natural log; row_stats (2, B, Hq, L) of the same dtype: the row max of the scores in log2
         units and 1/(row sum of exp2(s - max)), which the backward recomputes probabilities from.
     """
+    caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
+    key = _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps)
+    if key is None:
+        return _forward(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps)[0]
+    plan = get_plan(key)
+    if plan is not None:
+        return plan(q, k, v, caps)
+    with recording() as record:
+        result, fixed, kv_desc = _forward(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps)
+    launches = direct_launches(record, 1)
+    if launches is not None:
+        keep_plan(key, _ForwardPlan(*launches[0], fixed, kv_desc, result), (blocks,))
+    return result
+
+
+def _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps):
+    """Everything the forward's host decisions read besides the mask tables' statistics (fixed
+    for ``blocks``): see flexcore.kernels.launch's per-call plans. None where plans are off."""
+    return plan_key(
+        "forward", score_lowered, mask_lowered, id(blocks), q.device, q.dtype, k.dtype, v.dtype,
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
+        q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, scale, opts,
+        TMA, KV_ROWS, frozenset(KV_ROWS_HEAD_DIMS), DENSE, WARP_SPEC, FULL_RUNS, SCHEDULE_GROUP,
+        SCHEDULE_MIN_BLOCKS, arg_key(caps) if caps else ())
+
+
+class _ForwardPlan:
+    """A repeated forward call (see flexcore.kernels.launch's per-call plans): its compiled
+    kernel, grid and integer arguments, and the descriptors' layout where K and V are host
+    descriptors."""
+
+    __slots__ = ("entry", "grid", "fixed", "kv_desc", "out_shape", "lse_shape", "stats_shape",
+                 "acc_dtype")
+
+    def __init__(self, entry, grid, fixed, kv_desc, result):
+        out, lse, row_stats = result
+        self.entry, self.grid, self.fixed, self.kv_desc = entry, grid, fixed, kv_desc
+        self.out_shape, self.lse_shape, self.stats_shape = out.shape, lse.shape, row_stats.shape
+        self.acc_dtype = lse.dtype
+
+    def __call__(self, q, k, v, caps):
+        device = q.device
+        out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
+        lse = torch.empty(self.lse_shape, dtype=self.acc_dtype, device=device)
+        row_stats = torch.empty(self.stats_shape, dtype=self.acc_dtype, device=device)
+        if self.kv_desc is not None:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            (k_rows, v_rows), block_n = self.kv_desc
+            D, Dv = k.shape[3], v.shape[3]
+            k = TensorDescriptor(k, [k_rows, D], [k.stride(2), 1], [block_n, D])
+            v = TensorDescriptor(v, [v_rows, Dv], [v.stride(2), 1], [block_n, Dv])
+        ensure_tma_allocator()  # per thread; cheap where set (use_tma set it on the first call)
+        self.entry.launch(self.grid, (q, k, v, out, lse, row_stats, *self.fixed, *caps))
+        return out, lse, row_stats
+
+
+def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,
+             opts: KernelOptions, caps: tuple):
+    """forward's decisions and launch: ((out, lse, row_stats), the integer arguments between the
+    tensors and the captures, ((K rows, V rows), BLOCK_N) of host descriptors or None)."""
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
@@ -441,16 +510,17 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
 
-    args = (
-        q, k if k_desc is None else k_desc, v if v_desc is None else v_desc, out, lse, row_stats,
+    # The arguments are (tensors of the call, fixed, captures): a plan keeps ``fixed``.
+    fixed = (
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         blocks.num_blocks, blocks.indices, full_n, full_i,
         *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
         *full_n.stride(), *full_i.stride()[:3],
         order if order is not None else blocks.num_blocks, q_rows, q_desc_rows,
         B * Hq * L, L, S, Hq, scale, scale * _LOG2E,
-        *score_lowered.kernel_args(), *mask_lowered.kernel_args(),
     )
+    args = (q, k if k_desc is None else k_desc, v if v_desc is None else v_desc, out, lse, row_stats,
+            *fixed, *caps)
     constexprs = dict(
         GQA_GROUP=Hq // Hkv,
         HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
@@ -476,4 +546,7 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
                fit=fit_kv_blocks if kv_rows else None)
     else:  # the autotuner skips configurations that do not fit
         kernel.launch(lambda meta_: grid(meta_["BLOCK_M"], meta_["BLOCK_N"]), args, constexprs)
-    return out, lse, row_stats
+    kv_desc = None
+    if kv_rows:  # the rows and the BLOCK_N that the launch gave them (fit_kv_blocks)
+        kv_desc = ((k_desc.shape[0], v_desc.shape[0]), k_desc.block_shape[0])
+    return (out, lse, row_stats), fixed, kv_desc

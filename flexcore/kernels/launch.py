@@ -14,8 +14,10 @@ configuration that worked is remembered for the same kernel and constexprs.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import warnings
+import weakref
 from typing import Callable, Iterator
 
 import torch
@@ -91,19 +93,27 @@ def _entry(key, owner) -> _Direct | None:
 _stream = None  # triton's driver.get_current_stream, bound on first use
 
 
-def _direct_key(kernel, args, kwargs_items: tuple, extra=()) -> tuple | None:
-    """The key of a direct launch, or None when this launch must go through triton: interpreter,
-    switched off, a triton whose launch convention is not the one mirrored here, a ROCm build
-    (its specialisation also reads tensor sizes), launch hooks or a stages-inspection hook
-    installed (profilers), unhashable arguments. triton's debug and instrumentation knobs are in
-    the key: it compiles another kernel when they change."""
+def launch_env() -> tuple | None:
+    """What a direct launch depends on besides its kernel and arguments: (current device, triton's
+    debug knob, its instrumentation mode; it compiles another kernel when they change). None when
+    launches must go through triton: interpreter, direct launches switched off, a triton whose
+    launch convention is not the one mirrored here, a ROCm build (its specialisation also reads
+    tensor sizes), launch hooks or a stages-inspection hook installed (profilers)."""
     if not DIRECT or use_interpreter() or not _supported() or _hooks_installed():
         return None
     knobs = _triton_knobs()
     instrumentation = getattr(getattr(knobs, "compilation", None), "instrumentation_mode", None)
+    return (torch.cuda.current_device(), knobs.runtime.debug, instrumentation)
+
+
+def _direct_key(kernel, args, kwargs_items: tuple, extra=()) -> tuple | None:
+    """The key of a direct launch, or None when this launch must go through triton (see
+    launch_env; also unhashable arguments)."""
+    env = launch_env()
+    if env is None:
+        return None
     try:
-        return (id(kernel), kwargs_items, extra, arg_key(args), torch.cuda.current_device(),
-                knobs.runtime.debug, instrumentation)
+        return (id(kernel), kwargs_items, extra, arg_key(args), *env)
     except TypeError:
         return None
 
@@ -187,9 +197,12 @@ def run(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
     entry = _entry(key, kernel)
     if entry is not None:
         entry.launch(grid, args)
-        return
-    compiled = kernel[grid](*args, **kwargs)
-    _remember(key, kernel, compiled, args, kwargs)
+    else:
+        compiled = kernel[grid](*args, **kwargs)
+        _remember(key, kernel, compiled, args, kwargs)
+        entry = _entry(key, kernel)
+    if _record is not None:
+        _record.append((entry if entry is not None else _interpreted(kernel, kwargs), grid))
 
 
 def out_of_resources(error: BaseException) -> bool:
@@ -235,7 +248,10 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
     if entry is not None:  # extra: the configuration that ran
         if fit is not None:
             fit(args, {tile_names[0]: entry.extra[0], tile_names[1]: entry.extra[1], **entry.extra[2]})
-        entry.launch(grid(entry.extra[0], entry.extra[1]), args)
+        ran_grid = grid(entry.extra[0], entry.extra[1])
+        entry.launch(ran_grid, args)
+        if _record is not None:
+            _record.append((entry, ran_grid))
         return entry.extra
     key = (id(kernel), tile_names, bm, bn, tuple(sorted(meta.items())),
            tuple(sorted((k, str(v)) for k, v in kwargs.items())))
@@ -258,8 +274,11 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
             if pinned and (bm, bn, meta) != requested:
                 warnings.warn(f"kernel_options ({_describe(*requested)}) need more shared memory than "
                               f"this GPU has for this mod; ran {_describe(bm, bn, meta)} instead",
-                              stacklevel=3)
+                              stacklevel=4)
         _remember(direct, kernel, compiled, args, full, (bm, bn, meta))
+        if _record is not None:
+            entry = _entry(direct, kernel)
+            _record.append((entry if entry is not None else _interpreted(kernel, full), grid(bm, bn)))
         return bm, bn, meta
     raise error
 
@@ -286,7 +305,10 @@ class Tuned:
         if entry is not None:  # extra: the constexprs and options of the tuned configuration
             if self.fit is not None:
                 self.fit(args, entry.extra)
-            entry.launch(grid(entry.extra) if callable(grid) else grid, args)
+            ran_grid = grid(entry.extra) if callable(grid) else grid
+            entry.launch(ran_grid, args)
+            if _record is not None:
+                _record.append((entry, ran_grid))
             return
         full_key = (key, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
         config = self.chosen.get(full_key)
@@ -298,10 +320,108 @@ class Tuned:
         elif config is None:
             self.tuner[grid](*args, **kwargs)
             self.chosen[full_key] = self.tuner.best_config
+            if _record is not None:  # tuned: nothing to launch directly yet
+                _record.append((None, None))
             return
         full = {**kwargs, **config.all_kwargs()}
         if self.fit is not None:
             self.fit(args, full)
         compiled = self.tuner.fn[grid](*args, **full)
-        if config is self.chosen.get(full_key):  # not the untuned stand-in of a capture
+        tuned = config is self.chosen.get(full_key)  # not the untuned stand-in of a capture
+        if tuned:
             _remember(direct, self.tuner.fn, compiled, args, full, full, owner=self)
+        if _record is not None:
+            _record.append((_entry(direct, self) if tuned else None, grid(full) if callable(grid) else grid))
+
+
+# Per-call plans. A kernel call repeated with the same shapes, strides, dtypes, alignments, mask
+# tables, mods, scale and options makes the same host decisions each time: tiles, paths, the
+# autotuner's and the layout tuner's choices, grids, the integer arguments, the compiled kernels.
+# flexcore.kernels.forward and .backward keep them as a plan under a key of everything those
+# decisions read (launch_env included), so that a repeated call allocates its outputs, puts its
+# tensors in the argument tuple and calls the compiled launchers (bench/NOTES.md entry 36).
+# Plans are made from what ``recording`` saw launched directly, outside CUDA graph captures.
+# False makes every call decide again (benchmarks, debugging).
+PLANS = True
+_plans: dict = {}
+_PLAN_LIMIT = 1024  # cleared when full, as _direct
+_record: list | None = None
+
+
+def plan_key(*parts) -> tuple | None:
+    """The key of a plan: ``parts`` and the launch environment, or None where plans are off or
+    launches go through triton on the GPU (see launch_env). Under triton's interpreter, plans
+    launch through it (see _Interpreted)."""
+    if not PLANS:
+        return None
+    env = ("interpreter",) if use_interpreter() else launch_env()
+    return None if env is None else (env, *parts)
+
+
+def get_plan(key):
+    """The plan kept under ``key``, or None."""
+    return _plans.get(key)
+
+
+def keep_plan(key, plan, owners: tuple = ()) -> None:
+    """Keep ``plan`` under ``key`` as long as every object of ``owners`` lives (the mask tables
+    whose ids the key holds: the plan leaves when one of them is collected, before another object
+    can take its id, and never keeps a mask's tables alive past it). Nothing is kept inside a CUDA
+    graph capture, whose decisions stand in for ones that need the GPU, nor for owners that cannot
+    be referenced weakly."""
+    if key is None or capturing():
+        return
+    try:
+        for owner in owners:
+            weakref.finalize(owner, _plans.pop, key, None)
+    except TypeError:
+        return
+    if len(_plans) >= _PLAN_LIMIT:
+        _plans.clear()
+    _plans[key] = plan
+
+
+def clear_plans() -> None:
+    """Forget every plan (tests that patch flexcore's decisions between calls)."""
+    _plans.clear()
+
+
+@contextlib.contextmanager
+def recording():
+    """Within it, each launch by :func:`run`, :func:`launch` and :meth:`Tuned.launch` appends
+    ``(entry, grid)`` to the yielded list: the direct launch that ran, or the one remembered for
+    the next launch with these arguments, and the grid it ran with; ``(None, grid)`` where there
+    is none (the autotuner's first call, a launch through triton)."""
+    global _record
+    saved, _record = _record, []
+    try:
+        yield _record
+    finally:
+        _record = saved
+
+
+class _Interpreted:
+    """What a plan launches under triton's interpreter, which compiles nothing: the kernel and its
+    constexprs, launched through the interpreter each time (CPU tests run plans on the real
+    kernels)."""
+
+    __slots__ = ("kernel", "kwargs")
+
+    def __init__(self, kernel, kwargs: dict):
+        self.kernel, self.kwargs = kernel, dict(kwargs)
+
+    def launch(self, grid, args) -> None:
+        self.kernel[grid](*args, **self.kwargs)
+
+
+def _interpreted(kernel, kwargs: dict) -> _Interpreted | None:
+    """The stand-in of a launch that ran through triton under the interpreter (None on a GPU)."""
+    return _Interpreted(kernel, kwargs) if use_interpreter() else None
+
+
+def direct_launches(record: list, count: int) -> list | None:
+    """``record``'s (entry, grid) pairs if it holds ``count`` launches that all ran or can run
+    directly, else None."""
+    if len(record) != count or any(entry is None for entry, _ in record):
+        return None
+    return list(record)

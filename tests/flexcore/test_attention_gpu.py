@@ -178,3 +178,62 @@ def test_direct_launches_gpu(monkeypatch, D):
     out, lse = flex_attention(misaligned, k, v, score_mod=alibi, block_mask=bm, return_lse=True)
     assert "flex_forward_kernel" in calls
     assert_matches_reference(q, k, v, alibi, bm, out, lse, "misaligned query")
+
+
+_PLAN_SHAPE = Shape("plans_1k", B=2, Hq=4, Hkv=4, L=1024, S=1024, D=128, Dv=128, block=128)
+PLAN_CASES = [
+    (_PLAN_SHAPE, "causal", "temperature"),   # partial blocks, a captured gradient (atomics)
+    (_PLAN_SHAPE, "document", None),          # host descriptors (K/V rows), short rows
+    (_PLAN_SHAPE, "noop", None),              # dense path
+    (_PLAN_SHAPE, "softcap", None),           # dense, warp-specialized where the GPU allows
+    (Shape("plans_d64", B=1, Hq=4, Hkv=4, L=2048, S=2048, D=64, Dv=64, block=128), "sliding_window", None),
+    (GPU_SHAPES[1], "alibi", None),           # ragged lengths, D=64
+    (GPU_SHAPES[2], "causal", None),          # GQA
+]
+
+
+@pytest.mark.parametrize("shape,mod_name,learnable", PLAN_CASES,
+                         ids=[f"{c[0].name}-{c[1]}-{c[2]}" for c in PLAN_CASES])
+def test_plans_gpu(monkeypatch, shape, mod_name, learnable):
+    # Per-call plans on compiled kernels: once the autotuner and the layout tuner have chosen (two
+    # calls at most), repeated training steps with fresh inputs and captured tensors updated in
+    # place run the plans and match the float64 reference; a plan's out, dq, dk and dv are
+    # bit-identical to the full path's for the same inputs (the same compiled kernels).
+    from flexcore.kernels import backward as bwd
+    from flexcore.kernels import forward as fwd
+    from flexcore.kernels import launch
+    from tests.flexcore.test_plans import _check_call, _mods
+
+    decided = {"forward": 0, "backward": 0}
+
+    def counting(name, real):
+        def wrapped(*args, **kwargs):
+            decided[name] += 1
+            return real(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(fwd, "_forward", counting("forward", fwd._forward))
+    monkeypatch.setattr(bwd, "_backward", counting("backward", bwd._backward))
+    gen = torch.Generator().manual_seed(seed_of("plans_gpu", shape.name, mod_name, learnable))
+    score_mod, gold_mod, caps, caps64, bm, refill = _mods(shape, mod_name, learnable, gen, "cuda")
+
+    def call(what, generator=gen):
+        return _check_call(shape, torch.bfloat16, generator, score_mod, gold_mod, caps, caps64, bm,
+                           what, device="cuda")
+
+    for i in range(2):
+        call(f"call {i}")
+        refill()
+    after_tuning = dict(decided)
+    assert 1 <= after_tuning["forward"] <= 2 and 1 <= after_tuning["backward"] <= 2, after_tuning
+    assert any("forward" in key for key in launch._plans) and any("backward" in key for key in launch._plans)
+    for i in range(2, 4):
+        call(f"call {i}")
+        refill()
+    assert decided == after_tuning, decided  # the later calls ran the plans
+    seed = seed_of("plans_gpu_same", shape.name, mod_name)
+    planned = call("plan", torch.Generator().manual_seed(seed))
+    monkeypatch.setattr(launch, "PLANS", False)
+    full = call("full path", torch.Generator().manual_seed(seed))
+    for name, a, b in zip(["out", "dq", "dk", "dv"], planned, full):
+        assert torch.equal(a, b), name

@@ -304,3 +304,45 @@ def test_tuned_fit_before_untuned_launches(gpu_like):
     assert seen == [(6, 32), (7, 32)]
     compiled, = kernel.compiled.values()
     assert len(kernel.slow) == 1 and len(compiled.launches) == 1
+
+
+def test_recording_sees_what_a_plan_can_launch(gpu_like):
+    """``recording`` lists each launch with the direct launch that ran or was remembered for it,
+    and None for the autotuner's first call (its configurations were timed, none was chosen for a
+    plan yet); direct_launches accepts a record only with the expected count, all direct."""
+    kernel = _Kernel()
+    with L.recording() as record:
+        L.run(kernel, (3, 2), (_x(), 5, 0.5), {"BLOCK": 64})   # through triton, then remembered
+        L.run(kernel, (3, 2), (_x(), 7, 0.5), {"BLOCK": 64})   # direct
+    compiled, = kernel.compiled.values()
+    assert [(entry.compiled, grid) for entry, grid in record] == [(compiled, (3, 2))] * 2
+    assert L.direct_launches(record, 2) == record
+    assert L.direct_launches(record, 1) is None
+
+    tuned = _Kernel(names=("x", "n", "scale", "BLOCK_M"))
+    tuner = L.Tuned(_Tuner(tuned))
+    for expect_direct in (False, True, True):
+        with L.recording() as record:
+            tuner.launch(lambda meta: (128 // meta["BLOCK_M"],), (_x(), 5, 1.0), {"FLAG": False})
+        (entry, grid), = record
+        assert (entry is not None) == expect_direct
+        assert L.direct_launches(record, 1) == (record if expect_direct else None)
+        if expect_direct:
+            assert grid == (4,)
+    with L.recording() as record:  # a callable grid always goes through triton
+        L.run(kernel, lambda meta: (1,), (_x(), 5, 0.5), {"BLOCK": 64})
+    assert L.direct_launches(record, 1) is None
+
+
+def test_plan_keys_follow_the_launch_environment(gpu_like, monkeypatch):
+    assert L.plan_key("forward", 1) == ((0, L._triton_knobs().runtime.debug,
+                                         getattr(L._triton_knobs().compilation, "instrumentation_mode", None)),
+                                        "forward", 1)
+    monkeypatch.setattr(L, "_hooks_installed", lambda: True)   # a profiler: launches through triton
+    assert L.plan_key("forward", 1) is None
+    monkeypatch.setattr(L, "_hooks_installed", lambda: False)
+    monkeypatch.setattr(L, "PLANS", False)
+    assert L.plan_key("forward", 1) is None
+    monkeypatch.setattr(L, "PLANS", True)
+    monkeypatch.setattr(L, "use_interpreter", lambda: True)
+    assert L.plan_key("forward", 1) == (("interpreter",), "forward", 1)
