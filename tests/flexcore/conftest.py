@@ -1,6 +1,8 @@
 """Shared setup of flexcore's tests."""
 import pytest
 
+from flexcore.kernels import backward as bwd
+from flexcore.kernels import forward as fwd
 from flexcore.kernels import launch
 
 
@@ -12,3 +14,19 @@ def _fresh_plans():
     launch.clear_plans()
     yield
     launch.clear_plans()
+
+
+@pytest.fixture
+def decided(monkeypatch):
+    """Counts of the forward's and the backward's full host paths (calls that ran no plan)."""
+    counts = {"forward": 0, "backward": 0}
+
+    def counting(name, real):
+        def wrapped(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(fwd, "_forward", counting("forward", fwd._forward))
+    monkeypatch.setattr(bwd, "_backward", counting("backward", bwd._backward))
+    return counts

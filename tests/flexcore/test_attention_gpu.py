@@ -194,26 +194,14 @@ PLAN_CASES = [
 
 @pytest.mark.parametrize("shape,mod_name,learnable", PLAN_CASES,
                          ids=[f"{c[0].name}-{c[1]}-{c[2]}" for c in PLAN_CASES])
-def test_plans_gpu(monkeypatch, shape, mod_name, learnable):
+def test_plans_gpu(monkeypatch, decided, shape, mod_name, learnable):
     # Per-call plans on compiled kernels: once the autotuner and the layout tuner have chosen (two
     # calls at most), repeated training steps with fresh inputs and captured tensors updated in
     # place run the plans and match the float64 reference; a plan's out, dq, dk and dv are
     # bit-identical to the full path's for the same inputs (the same compiled kernels).
-    from flexcore.kernels import backward as bwd
-    from flexcore.kernels import forward as fwd
     from flexcore.kernels import launch
     from tests.flexcore.test_plans import _check_call, _mods
 
-    decided = {"forward": 0, "backward": 0}
-
-    def counting(name, real):
-        def wrapped(*args, **kwargs):
-            decided[name] += 1
-            return real(*args, **kwargs)
-        return wrapped
-
-    monkeypatch.setattr(fwd, "_forward", counting("forward", fwd._forward))
-    monkeypatch.setattr(bwd, "_backward", counting("backward", bwd._backward))
     gen = torch.Generator().manual_seed(seed_of("plans_gpu", shape.name, mod_name, learnable))
     score_mod, gold_mod, caps, caps64, bm, refill = _mods(shape, mod_name, learnable, gen, "cuda")
 

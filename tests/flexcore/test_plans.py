@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from flexcore import KernelOptions, create_block_mask, flex_attention
-from flexcore.kernels import backward as bwd
 from flexcore.kernels import forward as fwd
 from flexcore.kernels import launch as L
 from flexcore.reference import flex_attention_reference
@@ -21,22 +20,6 @@ from flexcore.testing import assert_close_to_reference
 from tests.flexcore.cases import CPU_SHAPES, Shape, make_mods
 from tests.flexcore.compare import seed_of
 from tests.flexcore.test_backward import _learnable
-
-
-@pytest.fixture
-def decided(monkeypatch):
-    """Counts of the forward's and the backward's full host paths (calls without a plan)."""
-    counts = {"forward": 0, "backward": 0}
-
-    def counting(name, real):
-        def wrapped(*args, **kwargs):
-            counts[name] += 1
-            return real(*args, **kwargs)
-        return wrapped
-
-    monkeypatch.setattr(fwd, "_forward", counting("forward", fwd._forward))
-    monkeypatch.setattr(bwd, "_backward", counting("backward", bwd._backward))
-    return counts
 
 
 def _plans(kind: str) -> int:
