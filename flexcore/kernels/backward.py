@@ -264,9 +264,12 @@ def _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
               kv_blocks, q_blocks, scale, opts, caps):
     """Everything the backward's host decisions read besides the tables' statistics (fixed for
     the tables) and the layout tuner's choice (fixed once made): see flexcore.kernels.launch's
-    per-call plans. None where plans are off."""
+    per-call plans. None where plans are off. The mods count by their sources and traits, as in
+    the forward's key."""
     return plan_key(
-        "backward", score_lowered, score_bwd_lowered, mask_lowered, id(kv_blocks), id(q_blocks),
+        "backward", score_lowered.source, score_bwd_lowered.source, mask_lowered.source,
+        score_lowered.is_trivial, bool(score_lowered.captured), score_bwd_lowered.grad_of,
+        id(kv_blocks), id(q_blocks),
         q.device, q.dtype, k.dtype, v.dtype, out.dtype, grad_out.dtype, row_stats.dtype,
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.shape, out.stride(),
         grad_out.shape, grad_out.stride(), row_stats.shape,

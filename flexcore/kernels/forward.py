@@ -431,9 +431,12 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
 
 def _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps):
     """Everything the forward's host decisions read besides the mask tables' statistics (fixed
-    for ``blocks``): see flexcore.kernels.launch's per-call plans. None where plans are off."""
+    for ``blocks``): see flexcore.kernels.launch's per-call plans. None where plans are off. The
+    mods count by their sources and traits, not their captured tensors (which each call passes):
+    a key never keeps a tensor alive."""
     return plan_key(
-        "forward", score_lowered, mask_lowered, id(blocks), q.device, q.dtype, k.dtype, v.dtype,
+        "forward", score_lowered.source, mask_lowered.source, score_lowered.is_trivial,
+        bool(score_lowered.captured), id(blocks), q.device, q.dtype, k.dtype, v.dtype,
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
         q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, scale, opts,
         TMA, KV_ROWS, frozenset(KV_ROWS_HEAD_DIMS), DENSE, WARP_SPEC, FULL_RUNS, SCHEDULE_GROUP,

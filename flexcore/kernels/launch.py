@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import warnings
 import weakref
 from typing import Callable, Iterator
@@ -201,8 +202,9 @@ def run(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
         compiled = kernel[grid](*args, **kwargs)
         _remember(key, kernel, compiled, args, kwargs)
         entry = _entry(key, kernel)
-    if _record is not None:
-        _record.append((entry if entry is not None else _interpreted(kernel, kwargs), grid))
+    record = _recording.__dict__.get("record")
+    if record is not None:
+        record.append((entry if entry is not None else _interpreted(kernel, kwargs), grid))
 
 
 def out_of_resources(error: BaseException) -> bool:
@@ -250,8 +252,9 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
             fit(args, {tile_names[0]: entry.extra[0], tile_names[1]: entry.extra[1], **entry.extra[2]})
         ran_grid = grid(entry.extra[0], entry.extra[1])
         entry.launch(ran_grid, args)
-        if _record is not None:
-            _record.append((entry, ran_grid))
+        record = _recording.__dict__.get("record")
+        if record is not None:
+            record.append((entry, ran_grid))
         return entry.extra
     key = (id(kernel), tile_names, bm, bn, tuple(sorted(meta.items())),
            tuple(sorted((k, str(v)) for k, v in kwargs.items())))
@@ -276,9 +279,10 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
                               f"this GPU has for this mod; ran {_describe(bm, bn, meta)} instead",
                               stacklevel=4)
         _remember(direct, kernel, compiled, args, full, (bm, bn, meta))
-        if _record is not None:
+        record = _recording.__dict__.get("record")
+        if record is not None:
             entry = _entry(direct, kernel)
-            _record.append((entry if entry is not None else _interpreted(kernel, full), grid(bm, bn)))
+            record.append((entry if entry is not None else _interpreted(kernel, full), grid(bm, bn)))
         return bm, bn, meta
     raise error
 
@@ -307,8 +311,9 @@ class Tuned:
                 self.fit(args, entry.extra)
             ran_grid = grid(entry.extra) if callable(grid) else grid
             entry.launch(ran_grid, args)
-            if _record is not None:
-                _record.append((entry, ran_grid))
+            record = _recording.__dict__.get("record")
+            if record is not None:
+                record.append((entry, ran_grid))
             return
         full_key = (key, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
         config = self.chosen.get(full_key)
@@ -320,8 +325,9 @@ class Tuned:
         elif config is None:
             self.tuner[grid](*args, **kwargs)
             self.chosen[full_key] = self.tuner.best_config
-            if _record is not None:  # tuned: nothing to launch directly yet
-                _record.append((None, None))
+            record = _recording.__dict__.get("record")
+            if record is not None:  # tuned: nothing to launch directly yet
+                record.append((None, None))
             return
         full = {**kwargs, **config.all_kwargs()}
         if self.fit is not None:
@@ -330,8 +336,9 @@ class Tuned:
         tuned = config is self.chosen.get(full_key)  # not the untuned stand-in of a capture
         if tuned:
             _remember(direct, self.tuner.fn, compiled, args, full, full, owner=self)
-        if _record is not None:
-            _record.append((_entry(direct, self) if tuned else None, grid(full) if callable(grid) else grid))
+        record = _recording.__dict__.get("record")
+        if record is not None:
+            record.append((_entry(direct, self) if tuned else None, grid(full) if callable(grid) else grid))
 
 
 # Per-call plans. A kernel call repeated with the same shapes, strides, dtypes, alignments, mask
@@ -344,8 +351,11 @@ class Tuned:
 # False makes every call decide again (benchmarks, debugging).
 PLANS = True
 _plans: dict = {}
+_plan_finalizers: dict = {}  # key -> the weakref.finalize of each of its owners
 _PLAN_LIMIT = 1024  # cleared when full, as _direct
-_record: list | None = None
+# The list that ``recording`` yields, per thread: calls in other threads (DataParallel replicas,
+# autograd's device threads) record their own launches.
+_recording = threading.local()
 
 
 def plan_key(*parts) -> tuple | None:
@@ -371,19 +381,32 @@ def keep_plan(key, plan, owners: tuple = ()) -> None:
     be referenced weakly."""
     if key is None or capturing():
         return
+    if len(_plans) >= _PLAN_LIMIT:
+        clear_plans()
+    _drop_plan(key)
+    finalizers = []
     try:
         for owner in owners:
-            weakref.finalize(owner, _plans.pop, key, None)
+            finalizers.append(weakref.finalize(owner, _drop_plan, key))
     except TypeError:
+        for f in finalizers:
+            f.detach()
         return
-    if len(_plans) >= _PLAN_LIMIT:
-        _plans.clear()
     _plans[key] = plan
+    _plan_finalizers[key] = finalizers
+
+
+def _drop_plan(key) -> None:
+    """Forget the plan under ``key`` and the finalizers that would drop it."""
+    _plans.pop(key, None)
+    for f in _plan_finalizers.pop(key, ()):
+        f.detach()
 
 
 def clear_plans() -> None:
     """Forget every plan (tests that patch flexcore's decisions between calls)."""
-    _plans.clear()
+    for key in list(_plans):
+        _drop_plan(key)
 
 
 @contextlib.contextmanager
@@ -392,12 +415,12 @@ def recording():
     ``(entry, grid)`` to the yielded list: the direct launch that ran, or the one remembered for
     the next launch with these arguments, and the grid it ran with; ``(None, grid)`` where there
     is none (the autotuner's first call, a launch through triton)."""
-    global _record
-    saved, _record = _record, []
+    saved = _recording.__dict__.get("record")
+    record = _recording.record = []
     try:
-        yield _record
+        yield record
     finally:
-        _record = saved
+        _recording.record = saved
 
 
 class _Interpreted:

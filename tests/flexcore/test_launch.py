@@ -346,3 +346,29 @@ def test_plan_keys_follow_the_launch_environment(gpu_like, monkeypatch):
     monkeypatch.setattr(L, "PLANS", True)
     monkeypatch.setattr(L, "use_interpreter", lambda: True)
     assert L.plan_key("forward", 1) == (("interpreter",), "forward", 1)
+
+
+def test_recording_is_per_thread(gpu_like):
+    """Launches in another thread (DataParallel replicas, autograd's device threads) go to that
+    thread's record, never to this one's."""
+    import threading
+
+    kernel = _Kernel()
+    other: list = []
+
+    def elsewhere():
+        L.run(kernel, (1, 1), (_x(), 5, 0.5), {"BLOCK": 32})  # outside any recording
+        with L.recording() as record:
+            L.run(kernel, (2, 1), (_x(), 5, 0.5), {"BLOCK": 32})
+        other.extend(record)
+
+    with L.recording() as mine:
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+        L.run(kernel, (3, 1), (_x(), 5, 0.5), {"BLOCK": 32})
+    assert [grid for _, grid in mine] == [(3, 1)]
+    assert [grid for _, grid in other] == [(2, 1)]
+    with L.recording() as after:  # the previous records were restored, not left behind
+        pass
+    assert after == [] and L._recording.__dict__.get("record") is None

@@ -193,3 +193,30 @@ def test_plans_leave_with_their_mask():
         del bm
         gc.collect()
         assert not L._plans
+
+
+def test_a_mod_over_new_tensors_reuses_its_plan(decided):
+    """A score_mod over a tensor recomputed at every step (a bias from an embedding) lowers anew at
+    each step, to the same source: the steps share one plan, each reading its own tensor, and the
+    plans' keys hold no tensor and no lowered mod (nothing of a step outlives it through them)."""
+    from flexcore.lowering.api import LoweredMod
+
+    shape = CPU_SHAPES[1]
+    gen = torch.Generator().manual_seed(seed_of("plans", "new_tensors"))
+    _, mask_mod = make_mods("causal", shape, "cpu", gen)
+    bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device="cpu", BLOCK_SIZE=shape.block)
+    for step in range(3):
+        # A per-head scale (a bias that depends on h alone would have a zero gradient).
+        bias = (0.8 + 0.4 * torch.rand(shape.Hq, generator=gen)).requires_grad_()
+        bias64 = bias.detach().double().requires_grad_()
+
+        def factory(b_):
+            def head_scale(score, b, h, q_idx, kv_idx):
+                return score * b_[h]
+            return head_scale
+
+        _check_call(shape, torch.float32, gen, factory(bias), factory(bias64), [bias], [bias64], bm,
+                    f"step {step}")
+    assert decided == {"forward": 1, "backward": 1}
+    parts = [x for key in L._plans for x in key]
+    assert not any(isinstance(x, (torch.Tensor, LoweredMod)) for x in parts)
