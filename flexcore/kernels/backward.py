@@ -331,7 +331,7 @@ class _BackwardPlan:
         entry.launch(grid, (out, grad_out, delta, row_stats, row_terms[-1], *self.pre_fixed))
         if self.p_from_lse:
             row_stats = row_terms[1]
-        grad_buffers, grad_args = _grad_buffers(captured, grad_of, deterministic, device) if grad_of else ({}, ())
+        grad_buffers, grad_args = _grad_buffers(captured, grad_of, deterministic, device)
         dq = torch.empty(q.shape, dtype=q.dtype, device=device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=device)

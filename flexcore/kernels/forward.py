@@ -292,11 +292,15 @@ def kv_rows_descriptor(t: torch.Tensor, tma: bool, even: bool):
     launch (64 until then). ``even``: the key tiles never pass the end of a head, which a descriptor
     per head would zero-fill. None where _all_rows refuses t, or ``tma`` or ``even`` is off."""
     rows = _all_rows(t) if tma and even else 0
-    if not rows:
-        return None
+    return _rows_descriptor(t, rows, 64) if rows else None
+
+
+def _rows_descriptor(t: torch.Tensor, rows: int, block_n: int):
+    """The descriptor of kv_rows_descriptor over ``rows`` rows of ``t``, in blocks of
+    [block_n, D] (a plan makes each call's with the BLOCK_N that its first call launched)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(t, [rows, t.shape[3]], [t.stride(2), 1], [64, t.shape[3]])
+    return TensorDescriptor(t, [rows, t.shape[3]], [t.stride(2), 1], [block_n, t.shape[3]])
 
 
 def fit_kv_blocks(args: tuple, meta: dict) -> None:
@@ -463,12 +467,8 @@ class _ForwardPlan:
         lse = torch.empty(self.lse_shape, dtype=self.acc_dtype, device=device)
         row_stats = torch.empty(self.stats_shape, dtype=self.acc_dtype, device=device)
         if self.kv_desc is not None:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
             (k_rows, v_rows), block_n = self.kv_desc
-            D, Dv = k.shape[3], v.shape[3]
-            k = TensorDescriptor(k, [k_rows, D], [k.stride(2), 1], [block_n, D])
-            v = TensorDescriptor(v, [v_rows, Dv], [v.stride(2), 1], [block_n, Dv])
+            k, v = _rows_descriptor(k, k_rows, block_n), _rows_descriptor(v, v_rows, block_n)
         ensure_tma_allocator()  # per thread; cheap where set (use_tma set it on the first call)
         self.entry.launch(self.grid, (q, k, v, out, lse, row_stats, *self.fixed, *caps))
         return out, lse, row_stats

@@ -202,9 +202,7 @@ def run(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
         compiled = kernel[grid](*args, **kwargs)
         _remember(key, kernel, compiled, args, kwargs)
         entry = _entry(key, kernel)
-    record = _recording.__dict__.get("record")
-    if record is not None:
-        record.append((entry if entry is not None else _interpreted(kernel, kwargs), grid))
+    _record_launch(entry, grid, kernel, kwargs)
 
 
 def out_of_resources(error: BaseException) -> bool:
@@ -252,9 +250,7 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
             fit(args, {tile_names[0]: entry.extra[0], tile_names[1]: entry.extra[1], **entry.extra[2]})
         ran_grid = grid(entry.extra[0], entry.extra[1])
         entry.launch(ran_grid, args)
-        record = _recording.__dict__.get("record")
-        if record is not None:
-            record.append((entry, ran_grid))
+        _record_launch(entry, ran_grid)
         return entry.extra
     key = (id(kernel), tile_names, bm, bn, tuple(sorted(meta.items())),
            tuple(sorted((k, str(v)) for k, v in kwargs.items())))
@@ -279,10 +275,7 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
                               f"this GPU has for this mod; ran {_describe(bm, bn, meta)} instead",
                               stacklevel=4)
         _remember(direct, kernel, compiled, args, full, (bm, bn, meta))
-        record = _recording.__dict__.get("record")
-        if record is not None:
-            entry = _entry(direct, kernel)
-            record.append((entry if entry is not None else _interpreted(kernel, full), grid(bm, bn)))
+        _record_launch(_entry(direct, kernel), grid(bm, bn), kernel, full)
         return bm, bn, meta
     raise error
 
@@ -311,9 +304,7 @@ class Tuned:
                 self.fit(args, entry.extra)
             ran_grid = grid(entry.extra) if callable(grid) else grid
             entry.launch(ran_grid, args)
-            record = _recording.__dict__.get("record")
-            if record is not None:
-                record.append((entry, ran_grid))
+            _record_launch(entry, ran_grid)
             return
         full_key = (key, tuple(a.dtype for a in args if isinstance(a, torch.Tensor)))
         config = self.chosen.get(full_key)
@@ -325,9 +316,7 @@ class Tuned:
         elif config is None:
             self.tuner[grid](*args, **kwargs)
             self.chosen[full_key] = self.tuner.best_config
-            record = _recording.__dict__.get("record")
-            if record is not None:  # tuned: nothing to launch directly yet
-                record.append((None, None))
+            _record_launch(None, None)  # tuned: nothing to launch directly yet
             return
         full = {**kwargs, **config.all_kwargs()}
         if self.fit is not None:
@@ -336,9 +325,7 @@ class Tuned:
         tuned = config is self.chosen.get(full_key)  # not the untuned stand-in of a capture
         if tuned:
             _remember(direct, self.tuner.fn, compiled, args, full, full, owner=self)
-        record = _recording.__dict__.get("record")
-        if record is not None:
-            record.append((_entry(direct, self) if tuned else None, grid(full) if callable(grid) else grid))
+        _record_launch(_entry(direct, self) if tuned else None, grid(full) if callable(grid) else grid)
 
 
 # Per-call plans. A kernel call repeated with the same shapes, strides, dtypes, alignments, mask
@@ -421,6 +408,17 @@ def recording():
         yield record
     finally:
         _recording.record = saved
+
+
+def _record_launch(entry, grid, kernel=None, kwargs: dict | None = None) -> None:
+    """Append ``(entry, grid)`` to this thread's record where ``recording`` is on. A launch that
+    ran through triton without a direct entry (``entry`` None) records, under the interpreter, its
+    ``kernel`` and constexprs ``kwargs`` instead (see _Interpreted)."""
+    record = _recording.__dict__.get("record")
+    if record is not None:
+        if entry is None and kernel is not None:
+            entry = _interpreted(kernel, kwargs)
+        record.append((entry, grid))
 
 
 class _Interpreted:
