@@ -1,7 +1,9 @@
 """Host side of the backward kernels: tile choice, gradient buffers and the launches.
 
 The preprocessing kernel computes delta = rowsum(dO * O); then ``flex_bwd_kernel`` runs its dK/dV
-programs and its dQ programs, in one launch or two (see ``_FUSED_HEAD_DIMS``).
+programs and its dQ programs, in one launch or two (see ``_FUSED_HEAD_DIMS``). Where gradients of
+captured tensors are wanted, a launch of the dQ programs' grid first recomputes delta as
+rowsum(P * dP) from the backward's own probabilities (see ``EXACT_DELTA``).
 
 dQ, dK and dV never use atomics (each program owns its rows), so they are bit-identical across runs.
 Gradients of captured tensors are scattered by the dK/dV programs with atomic adds:
@@ -133,6 +135,15 @@ DENSE_HEAD_DIMS = frozenset({128})
 # WARP_SPEC_KINDS: which kinds of program take them (benchmarks).
 WARP_SPEC: bool | None = None
 WARP_SPEC_KINDS = frozenset({"dkdv", "dq"})
+
+# Where gradients of captured tensors are wanted, delta is recomputed as rowsum(P * dP) by a pass
+# over the dQ programs' grid (PHASE 3, two matrix products per tile) instead of taken from
+# rowsum(dO * O). The stored output O carries the forward's 16-bit probabilities and its own
+# rounding, so each row's dS = P * (dP - delta) sums to that error instead of zero; a mod derivative
+# that is one-signed along the row (an ALiBi slope's |i - j|) adds those errors up. Measured in bf16
+# (bench/NOTES.md entry 37): a learnable ALiBi slope's gradient 7% off float64 without the pass,
+# torch's eager bf16 0.2%. dq, dk and dv gain too, at the cost of the pass. False: never (benchmarks).
+EXACT_DELTA = True
 
 # One launch for the dK/dV and dQ programs, which then share num_warps and num_stages: None times
 # one launch against two per kernel and size bucket where _FUSED_HEAD_DIMS allows it (the first
@@ -276,7 +287,7 @@ def _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
         q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, out.data_ptr() & 15,
         grad_out.data_ptr() & 15, row_stats.data_ptr() & 15, scale, opts,
         TMA, FULL_RUNS, FULL_RUNS_MAX_HEAD_DIM, P_FROM_LSE, DENSE, frozenset(DENSE_HEAD_DIMS),
-        WARP_SPEC, frozenset(WARP_SPEC_KINDS), FUSED, frozenset(_FUSED_HEAD_DIMS),
+        WARP_SPEC, frozenset(WARP_SPEC_KINDS), FUSED, frozenset(_FUSED_HEAD_DIMS), EXACT_DELTA,
         arg_key(caps) if caps else ())
 
 
@@ -433,6 +444,11 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
                   FULL_Q_RUNS=runs and q_blocks.full_runs(math.ceil(S / sparse_kv)),
                   FULL_KV_RUNS=runs and kv_blocks.full_runs(math.ceil(L / sparse_q)))
     kernel = module.flex_bwd_kernel
+    exact_delta = EXACT_DELTA and bool(grad_buffers)
+    if exact_delta:  # delta = rowsum(P * dP), over the dQ programs' grid, before the other phases
+        launch(kernel, lambda bm, bn: (gqa * math.ceil(L / bm), B * Hkv), args, bm2, bn2, meta2,
+               dict(PHASE=3, DKDV_BLOCK_M=16, DKDV_BLOCK_N=16, **common), pinned=pinned,
+               tile_names=("DQ_BLOCK_M", "DQ_BLOCK_N"))
 
     def run_split():
         launch(kernel, lambda bm, bn: (math.ceil(S / bn), B * Hkv), args, bm1, bn1, meta1,
@@ -472,4 +488,5 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     if not ran_fused:
         run_split()
     result = (dq, dk, dv, _captured_grads(captured, grad_buffers, opts.deterministic))
-    return result, (pre_fixed, fixed, row_terms.shape, acc_dtype, p_from_lse, 2 if ran_fused else 3)
+    return result, (pre_fixed, fixed, row_terms.shape, acc_dtype, p_from_lse,
+                    (2 if ran_fused else 3) + exact_delta)

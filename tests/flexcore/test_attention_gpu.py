@@ -183,6 +183,7 @@ def test_direct_launches_gpu(monkeypatch, D):
 _PLAN_SHAPE = Shape("plans_1k", B=2, Hq=4, Hkv=4, L=1024, S=1024, D=128, Dv=128, block=128)
 PLAN_CASES = [
     (_PLAN_SHAPE, "causal", "temperature"),   # partial blocks, a captured gradient (atomics)
+    (_PLAN_SHAPE, "causal", "alibi_slope"),   # a captured gradient with the delta pass
     (_PLAN_SHAPE, "document", None),          # host descriptors (K/V rows), short rows
     (_PLAN_SHAPE, "noop", None),              # dense path
     (_PLAN_SHAPE, "softcap", None),           # dense, warp-specialized where the GPU allows

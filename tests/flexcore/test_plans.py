@@ -79,12 +79,12 @@ def _mods(shape, mod_name, learnable, gen, device="cpu"):
     return score_mod, gold_mod, caps, caps64, bm, refill
 
 
-# Learnable captured tensors here: a per-head temperature and a relative-position table. A learnable
-# ALiBi slope is left out: its gradient is off by more than twice torch's error for some draws with
-# plans on and off alike (bench/NOTES.md entry 36), which is the kernels' matter, not the plans'.
 CASES = [
     # (shape, mask/score variant, learnable captured tensor, dtype)
     (CPU_SHAPES[0], "causal", "temperature", torch.float32),     # partial blocks, captured gradient
+    # bf16 with a learnable ALiBi slope: the plan replays the delta pass (kernels.backward.EXACT_DELTA)
+    (Shape("bf16_slope", B=1, Hq=2, Hkv=2, L=128, S=128, D=32, Dv=32, block=32), "causal", "alibi_slope",
+     torch.bfloat16),
     (CPU_SHAPES[3], "document", None, torch.float32),            # GQA, short rows
     (CPU_SHAPES[4], "sliding_window", "relative_table", torch.float32),  # D=80, Dv=48, ragged
     (Shape("bf16", B=1, Hq=2, Hkv=2, L=64, S=64, D=32, Dv=32, block=32), "noop", None, torch.bfloat16),
