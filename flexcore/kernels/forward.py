@@ -9,6 +9,7 @@ import torch
 
 from flexcore._runtime import capturing, use_interpreter
 from flexcore.errors import InputError
+from flexcore.kernels import hopper
 from flexcore.kernels.codegen import load_kernel_module
 from flexcore.kernels.launch import (Tuned, arg_key, direct_launches, get_plan, keep_plan, launch, plan_key,
                                      recording)
@@ -427,6 +428,9 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         return plan(q, k, v, caps)
     with recording() as record:
         result, fixed, kv_desc = _forward(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps)
+    if fixed is None:  # the Gluon kernel served the call: a repeated call goes straight to it
+        keep_plan(key, _HopperPlan(scale), (blocks,))
+        return result
     launches = direct_launches(record, 1)
     if launches is not None:
         keep_plan(key, _ForwardPlan(*launches[0], fixed, kv_desc, result), (blocks,))
@@ -443,7 +447,7 @@ def _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps):
         bool(score_lowered.captured), id(blocks), q.device, q.dtype, k.dtype, v.dtype,
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
         q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, scale, opts,
-        TMA, KV_ROWS, frozenset(KV_ROWS_HEAD_DIMS), DENSE, WARP_SPEC, FULL_RUNS, SCHEDULE_GROUP,
+        TMA, KV_ROWS, frozenset(KV_ROWS_HEAD_DIMS), DENSE, hopper.HOPPER_DENSE, WARP_SPEC, FULL_RUNS, SCHEDULE_GROUP,
         SCHEDULE_MIN_BLOCKS, arg_key(caps) if caps else ())
 
 
@@ -474,12 +478,31 @@ class _ForwardPlan:
         return out, lse, row_stats
 
 
+class _HopperPlan:
+    """A repeated forward call that flexcore.kernels.hopper serves (the key fixes everything its
+    choice read: shapes, strides, alignments, dtypes, device, mask, mods, scale and options)."""
+
+    __slots__ = ("scale", )
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def __call__(self, q, k, v, caps):
+        return hopper.forward(q, k, v, self.scale)
+
+
 def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,
              opts: KernelOptions, caps: tuple):
     """forward's decisions and launch: ((out, lse, row_stats), the integer arguments between the
-    tensors and the captures, ((K rows, V rows), BLOCK_N) of host descriptors or None)."""
+    tensors and the captures, ((K rows, V rows), BLOCK_N) of host descriptors or None). Where
+    flexcore.kernels.hopper serves the call: (its result, None, None)."""
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    sparse_q, sparse_kv = blocks.sparse_block
+    q_rows = math.ceil(L / sparse_q)
+    dense = DENSE and blocks.all_full(q_rows, math.ceil(S / sparse_kv))
+    if hopper.applies(q, k, v, score_lowered, dense, scale, opts):  # the Gluon kernel (no plan)
+        return hopper.forward(q, k, v, scale), None, None
     module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
     out = torch.empty((B, Hq, L, Dv), dtype=q.dtype, device=q.device)
     import triton.language as tl  # after prepare_triton(): see flexcore._runtime
@@ -489,10 +512,7 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
     lse = torch.empty((B, Hq, L), dtype=acc_dtype, device=q.device)
     row_stats = torch.empty((2, B, Hq, L), dtype=acc_dtype, device=q.device)  # see RowStats
     head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
-    sparse_q, sparse_kv = blocks.sparse_block
-    q_rows = math.ceil(L / sparse_q)
     tma = use_tma((k, v), head_dim_pad == D and head_dim_v_pad == Dv, TMA)
-    dense = DENSE and blocks.all_full(q_rows, math.ceil(S / sparse_kv))
     runs = FULL_RUNS and not dense and blocks.full_runs(q_rows)
     # Warp specialization only without captured tensors: a score_mod that loads from one inside
     # the loop (a relative-position table) gives wrong results under it (bench/NOTES.md entry 30).

@@ -28,12 +28,12 @@ def rel_err(out, golden) -> float:
     return (diff / golden[fin].norm().clamp_min(1e-30)).item()
 
 
-def assert_matches_reference(q, k, v, score_mod, block_mask, out, lse, what: str) -> None:
-    """``out``/``lse`` of flex_attention(q, k, v, ...) against the float64 reference."""
+def assert_matches_reference(q, k, v, score_mod, block_mask, out, lse, what: str, scale=None) -> None:
+    """``out``/``lse`` of flex_attention(q, k, v, ..., scale=scale) against the float64 reference."""
     gqa = q.shape[1] != k.shape[1]
-    gold, gold_lse = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=block_mask,
+    gold, gold_lse = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                                               enable_gqa=gqa, return_lse=True, upcast=True)
-    base = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=block_mask,
+    base = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                                     enable_gqa=gqa, upcast=False)
     assert out.dtype == q.dtype and out.shape == gold.shape, what
     assert not out.isnan().any(), what

@@ -65,9 +65,12 @@ def test_forward_warp_specialized_dense_gpu(monkeypatch, shape, mod_name):
     # them otherwise): masks whose blocks are all full, with and without a score_mod, ragged
     # lengths with GQA (tiles overlapping the next head's query rows). A score_mod that reads a
     # captured tensor (relative_table) keeps the unspecialized loop: under warp specialization
-    # its results were wrong.
+    # its results were wrong. The Gluon kernel (flexcore.kernels.hopper), which would serve noop
+    # at head dim 128 on Hopper, is switched off: this tests the template.
     from flexcore.kernels import forward as fwd
+    from flexcore.kernels import hopper
 
+    monkeypatch.setattr(hopper, "HOPPER_DENSE", False)
     monkeypatch.setattr(fwd, "WARP_SPEC", True)
     seen = []
     real = fwd._launcher

@@ -1,0 +1,193 @@
+"""The Gluon forward for Hopper (flexcore.kernels.hopper): where it applies, and on an sm_90 GPU
+its outputs and gradients against the float64 reference (GPU tests marked `gpu`)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexcore import create_block_mask, flex_attention, noop_mask
+from flexcore.kernels import hopper
+from tests.flexcore.cases import Shape
+from tests.flexcore.compare import assert_matches_reference, seed_of
+from tests.flexcore.test_backward import check_backward
+
+
+# --- the layout check, on any machine ---
+
+@pytest.mark.parametrize("layout, expected", [
+    ("contiguous", (2 * 3 * 256, 3 * 256, 256)),
+    ("head_slice", (6 * 256 + 2 * 512 + 256, 6 * 256, 512)),  # every other head of 6
+    ("bshd", None),  # (B, S, H, D) transposed: the head stride is not a multiple of the row stride
+    ("padded_rows", (2 * 3 * 256, 3 * 256, 256)),  # row stride 136 elements (272 bytes)
+    ("odd_row_stride", None),  # row stride of 129 elements is not 16-byte aligned
+    ("last_dim_strided", None),
+])
+def test_rows_view(layout, expected):
+    B, H, N, D = 2, 3, 256, 128
+    if layout == "contiguous":
+        t = torch.zeros(B, H, N, D, dtype=torch.bfloat16)
+    elif layout == "head_slice":
+        t = torch.zeros(B, 2 * H, N, D, dtype=torch.bfloat16)[:, ::2]
+    elif layout == "bshd":
+        t = torch.zeros(B, N, H, D, dtype=torch.bfloat16).transpose(1, 2)
+    elif layout == "padded_rows":
+        t = torch.zeros(B, H, N, 136, dtype=torch.bfloat16)[..., :D]
+    elif layout == "odd_row_stride":
+        t = torch.zeros(B, H, N, 129, dtype=torch.bfloat16)[..., :D]
+    else:
+        t = torch.zeros(B, H, N, 2 * D, dtype=torch.bfloat16)[..., ::2]
+    got = hopper._rows(t)
+    if expected is None:
+        assert got is None
+    else:
+        assert got == expected
+        rows, rb, rh = got
+        # the last (batch, head)'s last row is the last row the view spans
+        assert (B - 1) * rb + (H - 1) * rh + N - 1 == rows - 1
+
+
+def test_not_used_off_the_gpu_or_when_switched_off(monkeypatch):
+    from flexcore.lowering import lower_score_mod
+    from flexcore.options import KernelOptions
+    q = torch.zeros(1, 1, 128, 128, dtype=torch.bfloat16)
+    trivial = lower_score_mod(None, torch.float32)
+    opts = KernelOptions.from_any(None)
+    if not torch.cuda.is_available():  # CPU tensors and the interpreter
+        assert not hopper.applies(q, q, q, trivial, True, 0.1, opts)
+    monkeypatch.setattr(hopper, "HOPPER_DENSE", False)
+    assert not hopper.applies(q, q, q, trivial, True, 0.1, opts)
+
+
+# --- on an sm_90 GPU ---
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")
+
+
+def _spy(monkeypatch) -> list:
+    calls = []
+    real = hopper.forward
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hopper, "forward", spy)
+    return calls
+
+
+_SHAPES = [
+    Shape("h_1k", B=2, Hq=4, Hkv=4, L=1024, S=1024, D=128, Dv=128, block=128),
+    Shape("h_gqa", B=1, Hq=16, Hkv=4, L=2048, S=2048, D=128, Dv=128, block=128),
+    Shape("h_cross", B=2, Hq=2, Hkv=2, L=384, S=1280, D=128, Dv=128, block=128),
+    Shape("h_one_tile", B=1, Hq=2, Hkv=1, L=128, S=128, D=128, Dv=128, block=128),
+    Shape("h_two_tiles", B=3, Hq=2, Hkv=2, L=256, S=256, D=128, Dv=128, block=128),
+    Shape("h_8k", B=1, Hq=2, Hkv=2, L=8192, S=8192, D=128, Dv=128, block=128),
+]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("mask", ["none", "noop_mask"])
+@pytest.mark.parametrize("scale", [None, 0.3])
+def test_forward_matches_reference(monkeypatch, shape, dtype, mask, scale):
+    monkeypatch.setattr(hopper, "HOPPER_DENSE", True)  # raises if the call is not served
+    calls = _spy(monkeypatch)
+    gen = torch.Generator().manual_seed(seed_of("hopper", shape.name, str(dtype), mask, scale))
+    q, k, v = (t.cuda() for t in shape.qkv(dtype, "cpu", gen))
+    bm = None if mask == "none" else create_block_mask(noop_mask, None, None, shape.L, shape.S, device="cuda")
+    gqa = shape.Hq != shape.Hkv
+    out, lse = flex_attention(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa, return_lse=True)
+    assert len(calls) == 1, "the Gluon forward did not run"
+    assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper {shape.name} {dtype} {mask} {scale}",
+                             scale=scale)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("layout", ["head_slice", "padded_rows", "bshd"])
+def test_strided_layouts(monkeypatch, layout):
+    # Views that one (rows, D) descriptor can read take the Gluon kernel; (B, S, H, D) cannot and
+    # takes the template. Both match the reference.
+    calls = _spy(monkeypatch)
+    B, H, N, D = 2, 4, 1024, 128
+    gen = torch.Generator().manual_seed(seed_of("hopper-layout", layout))
+
+    def make():
+        if layout == "head_slice":
+            return torch.randn(B, 2 * H, N, D, generator=gen).to("cuda", torch.bfloat16)[:, 1::2]
+        if layout == "padded_rows":
+            return torch.randn(B, H, N, D + 64, generator=gen).to("cuda", torch.bfloat16)[..., :D]
+        return torch.randn(B, N, H, D, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2)
+
+    q, k, v = make(), make(), make()
+    out, lse = flex_attention(q, k, v, return_lse=True)
+    assert len(calls) == (0 if layout == "bshd" else 1)
+    assert out.is_contiguous()
+    assert_matches_reference(q, k, v, None, None, out, lse, f"hopper layout {layout}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", ["ragged", "d64", "causal", "score_mod", "fp32", "pinned"])
+def test_falls_back_to_the_template(monkeypatch, case):
+    calls = _spy(monkeypatch)
+    L = S = 1000 if case == "ragged" else 1024
+    D = 64 if case == "d64" else 128
+    dtype = torch.float32 if case == "fp32" else torch.bfloat16
+    gen = torch.Generator().manual_seed(seed_of("hopper-fallback", case))
+    q, k, v = (torch.randn(1, 2, n, D, generator=gen).to("cuda", dtype) for n in (L, S, S))
+    bm = (create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, L, S, device="cuda")
+          if case == "causal" else None)
+    score_mod = (lambda s, b, h, qi, ki: s + 0.1 * h) if case == "score_mod" else None
+    options = {"BLOCK_M": 128, "BLOCK_N": 64} if case == "pinned" else None
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True,
+                              kernel_options=options)
+    assert not calls
+    assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"hopper fallback {case}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", [_SHAPES[0], _SHAPES[1], _SHAPES[2]], ids=lambda s: s.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gradients_through_the_gluon_forward(monkeypatch, shape, dtype):
+    # The backward reads the Gluon forward's lse and row statistics.
+    monkeypatch.setattr(hopper, "HOPPER_DENSE", True)
+    calls = _spy(monkeypatch)
+    check_backward(shape, "noop", dtype, seed=seed_of("hopper-bwd", shape.name, str(dtype)), device="cuda")
+    assert calls
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_repeated_calls_and_cuda_graphs(monkeypatch):
+    # Fresh inputs each call give fresh outputs (no plan keeps a stale tensor); a captured graph
+    # replays the kernel on new data.
+    calls = _spy(monkeypatch)
+    gen = torch.Generator().manual_seed(seed_of("hopper-graph"))
+    q, k, v = (torch.randn(2, 4, 1024, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+    first = flex_attention(q, k, v)
+    for _ in range(3):
+        q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+        out, lse = flex_attention(q2, k2, v2, return_lse=True)
+        assert_matches_reference(q2, k2, v2, None, None, out, lse, "hopper repeated")
+    static = [t.clone() for t in (q, k, v)]
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        flex_attention(*static)  # warm-up outside the capture
+        with torch.cuda.graph(graph, stream=stream):
+            captured = flex_attention(*static)
+    torch.cuda.synchronize()
+    for t, src in zip(static, (q, k, v)):
+        t.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, first)
+    assert len(calls) >= 6
