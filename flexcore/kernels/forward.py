@@ -428,8 +428,8 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         return plan(q, k, v, caps)
     with recording() as record:
         result, fixed, kv_desc = _forward(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps)
-    if fixed is None:  # the Gluon kernel served the call: a repeated call goes straight to it
-        keep_plan(key, _HopperPlan(scale), (blocks,))
+    if fixed is None:  # a Gluon kernel served the call: a repeated call goes straight to it
+        keep_plan(key, _HopperPlan(scale, kv_desc), (blocks,))
         return result
     launches = direct_launches(record, 1)
     if launches is not None:
@@ -447,7 +447,7 @@ def _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps):
         bool(score_lowered.captured), id(blocks), q.device, q.dtype, k.dtype, v.dtype,
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
         q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, scale, opts,
-        TMA, KV_ROWS, frozenset(KV_ROWS_HEAD_DIMS), DENSE, hopper.HOPPER_DENSE, WARP_SPEC, FULL_RUNS, SCHEDULE_GROUP,
+        TMA, KV_ROWS, frozenset(KV_ROWS_HEAD_DIMS), DENSE, hopper.HOPPER_DENSE, hopper.HOPPER_MASKED, hopper.MASKED_MIN_MEAN_BLOCKS, WARP_SPEC, FULL_RUNS, SCHEDULE_GROUP,
         SCHEDULE_MIN_BLOCKS, arg_key(caps) if caps else ())
 
 
@@ -482,12 +482,15 @@ class _HopperPlan:
     """A repeated forward call that flexcore.kernels.hopper serves (the key fixes everything its
     choice read: shapes, strides, alignments, dtypes, device, mask, mods, scale and options)."""
 
-    __slots__ = ("scale", )
+    __slots__ = ("scale", "masked")
 
-    def __init__(self, scale):
+    def __init__(self, scale, masked):
         self.scale = scale
+        self.masked = masked  # the masked kernel's launch with the mask's tables, or None (dense)
 
     def __call__(self, q, k, v, caps):
+        if self.masked is not None:
+            return self.masked(q, k, v, caps=caps)
         return hopper.forward(q, k, v, self.scale)
 
 
@@ -495,14 +498,24 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
              opts: KernelOptions, caps: tuple):
     """forward's decisions and launch: ((out, lse, row_stats), the integer arguments between the
     tensors and the captures, ((K rows, V rows), BLOCK_N) of host descriptors or None). Where
-    flexcore.kernels.hopper serves the call: (its result, None, None)."""
+    flexcore.kernels.hopper serves the call: (its result, None, None for the dense kernel or the
+    masked kernel's launch with the mask's tables bound)."""
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     sparse_q, sparse_kv = blocks.sparse_block
     q_rows = math.ceil(L / sparse_q)
     dense = DENSE and blocks.all_full(q_rows, math.ceil(S / sparse_kv))
-    if hopper.applies(q, k, v, score_lowered, dense, scale, opts):  # the Gluon kernel (no plan)
+    if hopper.applies(q, k, v, score_lowered, dense, scale, opts):  # the Gluon kernels
         return hopper.forward(q, k, v, scale), None, None
+    if hopper.applies_masked(q, k, v, score_lowered, blocks, dense, scale, opts):
+        module = hopper.masked_module(mask_lowered)
+        if module is not None:
+            table_args, has_full = hopper.tables(blocks)
+            run = functools.partial(hopper.forward_masked, module=module, table_args=table_args,
+                                    has_full=has_full, scale=scale)
+            result = run(q, k, v, caps=caps, key=("forward_hopper.py.tmpl", mask_lowered.source))
+            if result is not None:
+                return result, None, run
     module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
     out = torch.empty((B, Hq, L, Dv), dtype=q.dtype, device=q.device)
     import triton.language as tl  # after prepare_triton(): see flexcore._runtime

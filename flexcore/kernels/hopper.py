@@ -1,9 +1,11 @@
-"""A hand-scheduled forward for Hopper GPUs, written in Gluon (triton's explicit-layout dialect).
+"""Hand-scheduled forwards for Hopper GPUs, written in Gluon (triton's explicit-layout dialect).
 
-It serves the forward's dense case at head dim 128: a mask whose blocks are all full (no mask,
-``noop_mask``) and the identity score_mod, in bf16 or fp16, on an sm_90 GPU. There it runs
+They serve the forward at head dim 128 with the identity score_mod, in bf16 or fp16, on an sm_90
+GPU: the dense kernel (`_hopper_gluon.py`) a mask whose blocks are all full (no mask, ``noop_mask``),
+the masked one (the template `forward_hopper.py.tmpl`, filled with the lowered mask_mod) any other
+mask over 128x128 blocks whose rows average MASKED_MIN_MEAN_BLOCKS key blocks or more. Both run
 FlashAttention-3's schedule, which triton 3.6 does not produce from ``tl`` code
-(bench/NOTES.md entries 10, 14, 30 and 40):
+(bench/NOTES.md entries 10, 14, 30, 40 and 41):
 
 - one loader warp brings K and V tiles (128 keys) by TMA into three slots each, with a "ready"
   and an "empty" mbarrier per slot;
@@ -12,9 +14,11 @@ FlashAttention-3's schedule, which triton 3.6 does not produce from ``tl`` code
   S(j) only, and runs the softmax of S(j) while P(j-1) V(j-1) is still on the tensor cores;
 - a slot is released when both warpgroups have arrived on its "empty" barrier (count 2).
 
-Everything else (masks with partial or skipped blocks, score_mods, other head dims and dtypes,
-other GPUs, the interpreter) takes the Triton template (flexcore.kernels.forward), and so does a
-call whose layout the descriptors cannot express.
+The masked kernel walks the blocks the mask lists for the program's 128-row block, partial ones
+first (the mask_mod applied) and then full ones. Everything else (score_mods, other head dims and
+dtypes, other GPUs, the interpreter, masks with short rows, mask_mods whose Gluon source does not
+build) takes the Triton template (flexcore.kernels.forward), and so does a call whose layout the
+descriptors cannot express.
 
 The outputs are the template's: out, lse (natural log) and row_stats (the row max in log2 units of
 the scaled scores, and 1/l), so the backward is unchanged.
@@ -22,6 +26,7 @@ the scaled scores, and 1/l), so the backward is unchanged.
 from __future__ import annotations
 
 import functools
+import re
 
 import torch
 
@@ -30,6 +35,13 @@ from flexcore._runtime import use_interpreter
 # None: used wherever it applies; False: never (benchmarks, tests); True: as None, and a call it
 # cannot serve raises instead of falling back (tests).
 HOPPER_DENSE: bool | None = None
+# The same for masks with partial or skipped blocks (the template forward_hopper.py.tmpl); True
+# also ignores MASKED_MIN_MEAN_BLOCKS.
+HOPPER_MASKED: bool | None = None
+# Below this many key blocks per mask row on average the Triton template serves the mask: each
+# program of the Gluon kernel sets up barriers, partitions and registers, which rows of a few
+# blocks feel (document masks at 4k: 0.93x torch flex against the template's 1.12x; NOTES entry 41).
+MASKED_MIN_MEAN_BLOCKS = 8.0
 HEAD_DIMS = frozenset({128})
 BLOCK_M = 128  # query rows per program: two warpgroups of 64
 BLOCK_N = 128  # keys per tile
@@ -71,10 +83,8 @@ def _rows(t: torch.Tensor) -> tuple[int, int, int] | None:
     return rows, rb, rh
 
 
-def applies(q, k, v, score_lowered, dense: bool, scale: float, opts) -> bool:
-    """Whether this kernel serves the call (see the module's docstring)."""
-    if HOPPER_DENSE is False or not dense or use_interpreter() or not q.is_cuda:
-        return False
+def _common(q, k, v, score_lowered, scale: float, opts) -> bool:
+    """What both kernels need: see the module's docstring."""
     B, Hq, L, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
     ok = (
@@ -85,28 +95,119 @@ def applies(q, k, v, score_lowered, dense: bool, scale: float, opts) -> bool:
         and not opts.pins_tiles and _device_ok(q.device.index or 0)
         and all(_rows(t) is not None for t in (q, k, v)) and _kernel() is not None
     )
+    return ok
+
+
+def applies(q, k, v, score_lowered, dense: bool, scale: float, opts) -> bool:
+    """Whether the dense kernel serves the call (see the module's docstring)."""
+    if HOPPER_DENSE is False or not dense or use_interpreter() or not q.is_cuda:
+        return False
+    ok = _common(q, k, v, score_lowered, scale, opts)
     if not ok and HOPPER_DENSE:
         raise RuntimeError("flexcore.kernels.hopper.HOPPER_DENSE is True but the call is not one it serves")
     return ok
 
 
-def forward(q, k, v, scale: float):
-    """out (B, Hq, L, D), lse (B, Hq, L) and row_stats (2, B, Hq, L), as the template's forward."""
+def applies_masked(q, k, v, score_lowered, blocks, dense: bool, scale: float, opts) -> bool:
+    """Whether the masked kernel may serve the call: a mask that is not dense, over 128x128
+    blocks, with the identity score_mod (the mask_mod may capture tensors)."""
+    if HOPPER_MASKED is False or dense or use_interpreter() or not q.is_cuda:
+        return False
+    ok = (tuple(blocks.sparse_block) == (BLOCK_M, BLOCK_N) and blocks.indices.stride(-1) == 1
+          and (blocks.full_indices is None or blocks.full_indices.stride(-1) == 1)
+          and _common(q, k, v, score_lowered, scale, opts))
+    if ok and not HOPPER_MASKED:
+        rows = q.shape[2] // BLOCK_M
+        stats = blocks.stats(rows)  # row costs count a full block 4 and a partial one 5
+        ok = stats is not None and stats[2] >= 4 * MASKED_MIN_MEAN_BLOCKS * blocks.num_blocks[..., :rows].numel()
+    if not ok and HOPPER_MASKED:
+        raise RuntimeError("flexcore.kernels.hopper.HOPPER_MASKED is True but the call is not one it serves")
+    return ok
+
+
+_unsupported: set = set()  # mask sources whose Gluon kernel did not compile
+_compiled: set = set()
+
+
+def _gluon_source(src: str) -> str:
+    """A lowered mod's Triton source as Gluon: the decorator and the language module's name."""
+    return re.sub(r"\btl\.", "gl.", src.replace("@triton.jit", "@gluon.jit"))
+
+
+def masked_module(mask_lowered):
+    """The masked kernel's module for this mask_mod, or None where it does not build."""
+    from flexcore.kernels import codegen
+    key = ("forward_hopper.py.tmpl", mask_lowered.source)
+    if key in _unsupported:
+        return None
+
+    def build():
+        values = {"MOD_FUNCTIONS": _gluon_source(mask_lowered.source),
+                  "MASK_CAPS": "".join(", " + n for n in mask_lowered.cap_params)}
+        return codegen.HEADER + codegen.fill_template(codegen.read_template(key[0]), values)
+
+    try:
+        return codegen.cached_module(key, build, "forward_hopper")
+    except Exception:  # the mod's source does not import as Gluon: the template serves it
+        _unsupported.add(key)
+        return None
+
+
+def tables(blocks) -> tuple:
+    """The BlockMask tables and strides the masked kernel reads (a plan keeps them)."""
+    from flexcore.kernels.forward import BlockTensors  # noqa: F401  (the type of ``blocks``)
+    full_n, full_i = blocks.full_tables()
+    return ((blocks.num_blocks, blocks.indices, full_n, full_i,
+             *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
+             *full_n.stride(), *full_i.stride()[:3]), blocks.full_num_blocks is not None)
+
+
+def _prepare(q, k, v):
+    """The outputs, and the arguments both kernels take before their own: the four descriptors,
+    lse, row_stats, and the batch and head strides in rows."""
     mod = _kernel()
-    B, Hq, L, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    out = torch.empty((B, Hq, L, D), dtype=q.dtype, device=q.device)
+    B, Hq, L, _ = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device)
     row_stats = torch.empty((2, B, Hq, L), dtype=torch.float32, device=q.device)
     (q_rows, q_rb, q_rh), (k_rows, k_rb, k_rh), (v_rows, v_rb, v_rh) = _rows(q), _rows(k), _rows(v)
     half = BLOCK_M // 2
-    q_desc = mod.descriptor(q, q_rows, half)
-    o_desc = mod.descriptor(out, B * Hq * L, half)
-    k_desc = mod.descriptor(k, k_rows, BLOCK_N)
-    v_desc = mod.descriptor(v, v_rows, BLOCK_N)
-    grid = (L // BLOCK_M, B * Hq)
-    mod.flex_hopper_dense_fwd[grid](
-        q_desc, k_desc, v_desc, o_desc, lse, row_stats,
-        q_rb, q_rh, k_rb, k_rh, v_rb, v_rh, Hq, Hq // Hkv, L, S, B * Hq * L, scale * _LOG2E,
-        half, BLOCK_N, D, NUM_STAGES, WG_REGS, num_warps=4, maxnreg=MAX_REGS)
-    return out, lse, row_stats
+    descs = (mod.descriptor(q, q_rows, half), mod.descriptor(k, k_rows, BLOCK_N),
+             mod.descriptor(v, v_rows, BLOCK_N), mod.descriptor(out, B * Hq * L, half), lse, row_stats)
+    return (out, lse, row_stats), descs, (q_rb, q_rh, k_rb, k_rh, v_rb, v_rh)
+
+
+def _sizes(q, k, scale: float) -> tuple:
+    B, Hq, L, _ = q.shape
+    return (Hq, Hq // k.shape[1], L, k.shape[2], B * Hq * L, scale * _LOG2E)
+
+
+def forward_masked(q, k, v, module, table_args: tuple, has_full: bool, scale: float, caps: tuple, key=None):
+    """As :func:`forward`, over the mask's tables. None where the kernel fails to compile for this
+    mask (the first launch of ``key``; the caller then takes the template)."""
+    result, descs, strides = _prepare(q, k, v)
+    B, Hq, L, D = q.shape
+    launch = functools.partial(
+        module.flex_hopper_sparse_fwd[(L // BLOCK_M, B * Hq)], *descs, *table_args, *strides,
+        *_sizes(q, k, scale), *caps, has_full, BLOCK_M // 2, BLOCK_N, D, NUM_STAGES, WG_REGS,
+        num_warps=4, maxnreg=MAX_REGS)
+    if key is not None and key not in _compiled:
+        try:
+            launch()
+        except Exception:  # noqa: BLE001  (a compile error of a mod Gluon does not take)
+            _unsupported.add(key)
+            return None
+        _compiled.add(key)
+    else:
+        launch()
+    return result
+
+
+def forward(q, k, v, scale: float):
+    """out (B, Hq, L, D), lse (B, Hq, L) and row_stats (2, B, Hq, L), as the template's forward."""
+    result, descs, strides = _prepare(q, k, v)
+    B, Hq, L, D = q.shape
+    _kernel().flex_hopper_dense_fwd[(L // BLOCK_M, B * Hq)](
+        *descs, *strides, *_sizes(q, k, scale), BLOCK_M // 2, BLOCK_N, D, NUM_STAGES, WG_REGS,
+        num_warps=4, maxnreg=MAX_REGS)
+    return result

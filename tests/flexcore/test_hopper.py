@@ -191,3 +191,131 @@ def test_repeated_calls_and_cuda_graphs(monkeypatch):
     torch.cuda.synchronize()
     assert torch.equal(captured, first)
     assert len(calls) >= 6
+
+
+# --- the masked kernel (forward_hopper.py.tmpl) ---
+
+def _spy_masked(monkeypatch) -> list:
+    calls = []
+    real = hopper.forward_masked
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(hopper, "forward_masked", spy)
+    return calls
+
+
+_MASKED_SHAPES = [_SHAPES[0], _SHAPES[1], _SHAPES[2], _SHAPES[5]]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", _MASKED_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("mod_name", ["causal", "sliding_window", "prefix_lm", "document"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_masked_forward_matches_reference(monkeypatch, shape, mod_name, dtype):
+    from tests.flexcore.cases import make_mods
+    monkeypatch.setattr(hopper, "HOPPER_MASKED", True)  # raises if the call is not served
+    calls = _spy_masked(monkeypatch)
+    gen = torch.Generator().manual_seed(seed_of("hopper-masked", shape.name, mod_name, str(dtype)))
+    q, k, v = (t.cuda() for t in shape.qkv(dtype, "cpu", gen))
+    score_mod, mask_mod = make_mods(mod_name, shape, "cuda", gen)
+    assert score_mod is None
+    bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device="cuda")
+    gqa = shape.Hq != shape.Hkv
+    out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=gqa, return_lse=True)
+    assert calls == [True], "the masked Gluon forward did not run"
+    assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper masked {shape.name} {mod_name} {dtype}")
+    # a repeated call runs the plan, on new inputs
+    q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+    out2, lse2 = flex_attention(q2, k2, v2, block_mask=bm, enable_gqa=gqa, return_lse=True)
+    assert calls == [True, True]
+    assert_matches_reference(q2, k2, v2, None, bm, out2, lse2, f"hopper masked again {shape.name} {mod_name}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", ["empty_rows", "rows_masked_inside_a_block", "no_full_blocks"])
+def test_masked_rows_without_keys(monkeypatch, case):
+    # Rows with no listed block (n_tiles 0), rows that a partial block masks entirely (m = -inf
+    # until a later tile), and masks with partial blocks only: output 0 and lse -inf where nothing
+    # is kept, as the template and the reference.
+    monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
+    calls = _spy_masked(monkeypatch)
+    L = S = 1024
+    if case == "empty_rows":
+        def mask(b, h, qi, ki):
+            return (qi >= 256) & (ki <= qi)
+    elif case == "rows_masked_inside_a_block":
+        def mask(b, h, qi, ki):
+            return (qi >= 200) & (ki <= qi)
+    else:
+        def mask(b, h, qi, ki):
+            return (qi - ki) % 7 == 0  # every block partial
+    gen = torch.Generator().manual_seed(seed_of("hopper-empty", case))
+    q, k, v = (torch.randn(2, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
+    bm = create_block_mask(mask, None, None, L, S, device="cuda")
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    if case != "no_full_blocks":  # its % lowers to a helper that Gluon may not take (then: template)
+        assert calls == [True]
+    assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper masked {case}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_masked_mod_that_gluon_does_not_take_falls_back(monkeypatch):
+    # floor division lowers to a @triton.jit helper; whichever kernel runs, the result is right,
+    # and a mask whose Gluon kernel failed to build is not tried again. (Its rows are short, so
+    # only the forced switch makes the kernel try it.)
+    monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
+    calls = _spy_masked(monkeypatch)
+    L = S = 1024
+
+    def mask(b, h, qi, ki):
+        return (qi // 256) == (ki // 256)
+
+    gen = torch.Generator().manual_seed(seed_of("hopper-helper"))
+    q, k, v = (torch.randn(1, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
+    bm = create_block_mask(mask, None, None, L, S, device="cuda")
+    for _ in range(2):
+        out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+        assert_matches_reference(q, k, v, None, bm, out, lse, "hopper masked helper")
+    # Either Gluon built it (the plan then replays it) or the first launch failed, the template ran,
+    # and its plan serves the second call.
+    assert calls in ([True, True], [False]), calls
+    if calls == [False]:
+        assert any(key[0] == "forward_hopper.py.tmpl" for key in hopper._unsupported)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("mod_name", ["causal", "document"])
+def test_gradients_through_the_masked_gluon_forward(monkeypatch, mod_name):
+    monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
+    calls = _spy_masked(monkeypatch)
+    check_backward(_SHAPES[1], mod_name, torch.bfloat16, seed=seed_of("hopper-masked-bwd", mod_name), device="cuda")
+    assert calls and all(calls)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("rows_long", [True, False])
+def test_masked_kernel_only_for_long_rows_by_default(monkeypatch, rows_long):
+    # By default the masked Gluon kernel serves masks whose rows visit MASKED_MIN_MEAN_BLOCKS key
+    # blocks or more on average; shorter rows (documents of a few blocks) keep the template.
+    calls = _spy_masked(monkeypatch)
+    L = S = 4096
+    doc = 4096 if rows_long else 256
+    gen = torch.Generator().manual_seed(seed_of("hopper-rows", rows_long))
+
+    def mask(b, h, qi, ki):
+        return (qi // doc == ki // doc) & (ki <= qi) if not rows_long else ki <= qi
+
+    q, k, v = (torch.randn(1, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
+    bm = create_block_mask(mask, None, None, L, S, device="cuda")
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert calls == ([True] if rows_long else [])
+    assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper rows long={rows_long}")
