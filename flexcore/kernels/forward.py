@@ -506,14 +506,17 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
     q_rows = math.ceil(L / sparse_q)
     dense = DENSE and blocks.all_full(q_rows, math.ceil(S / sparse_kv))
     if hopper.applies(q, k, v, score_lowered, dense, scale, opts):  # the Gluon kernels
-        return hopper.forward(q, k, v, scale), None, None
-    if hopper.applies_masked(q, k, v, score_lowered, blocks, dense, scale, opts):
+        result = hopper.forward(q, k, v, scale)
+        if result is not None:
+            return result, None, None
+    elif hopper.applies_masked(q, k, v, score_lowered, blocks, dense, scale, opts):
         module = hopper.masked_module(mask_lowered)
         if module is not None:
             table_args, has_full = hopper.tables(blocks)
             run = functools.partial(hopper.forward_masked, module=module, table_args=table_args,
-                                    has_full=has_full, scale=scale)
-            result = run(q, k, v, caps=caps, key=("forward_hopper.py.tmpl", mask_lowered.source))
+                                    has_full=has_full, scale=scale,
+                                    key=("forward_hopper.py.tmpl", mask_lowered.source))
+            result = run(q, k, v, caps=caps)
             if result is not None:
                 return result, None, run
     module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)

@@ -70,9 +70,10 @@ def _rows(t: torch.Tensor) -> tuple[int, int, int] | None:
     """(rows spanned, batch stride, head stride), in rows, where ``t`` (B, H, N, D) can be read as
     one (rows, D) matrix of row stride t.stride(2): unit last stride, batch and head strides
     multiples of the row stride, 16-byte aligned, row indices within int32. None otherwise."""
-    B, H, N, _ = t.shape
+    B, H, N, D = t.shape
     sb, sh, sr, sd = t.stride()
-    if sd != 1 or sr <= 0 or t.data_ptr() % 16 or (sr * t.element_size()) % 16:
+    sb, sh = (0 if B == 1 else sb), (0 if H == 1 else sh)  # a dimension of size 1 is never stepped
+    if sd != 1 or sr < D or t.data_ptr() % 16 or (sr * t.element_size()) % 16:
         return None
     if sb % sr or sh % sr:
         return None
@@ -102,7 +103,7 @@ def applies(q, k, v, score_lowered, dense: bool, scale: float, opts) -> bool:
     """Whether the dense kernel serves the call (see the module's docstring)."""
     if HOPPER_DENSE is False or not dense or use_interpreter() or not q.is_cuda:
         return False
-    ok = _common(q, k, v, score_lowered, scale, opts)
+    ok = _common(q, k, v, score_lowered, scale, opts) and ("dense", q.dtype) not in _unsupported
     if not ok and HOPPER_DENSE:
         raise RuntimeError("flexcore.kernels.hopper.HOPPER_DENSE is True but the call is not one it serves")
     return ok
@@ -125,8 +126,24 @@ def applies_masked(q, k, v, score_lowered, blocks, dense: bool, scale: float, op
     return ok
 
 
-_unsupported: set = set()  # mask sources whose Gluon kernel did not compile
+_unsupported: set = set()  # kernels (by key) whose first launch failed: the template serves them
 _compiled: set = set()
+
+
+def _launch_once(key, launch) -> bool:
+    """Run ``launch``; on the first launch of ``key`` a failure (a Gluon compile error: an
+    experimental API that another triton may change, a mod Gluon does not take) is remembered and
+    reported as False, so that the caller and later calls take the template."""
+    if key in _compiled:
+        launch()
+        return True
+    try:
+        launch()
+    except Exception:  # noqa: BLE001
+        _unsupported.add(key)
+        return False
+    _compiled.add(key)
+    return True
 
 
 def _gluon_source(src: str) -> str:
@@ -182,7 +199,7 @@ def _sizes(q, k, scale: float) -> tuple:
     return (Hq, Hq // k.shape[1], L, k.shape[2], B * Hq * L, scale * _LOG2E)
 
 
-def forward_masked(q, k, v, module, table_args: tuple, has_full: bool, scale: float, caps: tuple, key=None):
+def forward_masked(q, k, v, module, table_args: tuple, has_full: bool, scale: float, caps: tuple, key):
     """As :func:`forward`, over the mask's tables. None where the kernel fails to compile for this
     mask (the first launch of ``key``; the caller then takes the template)."""
     result, descs, strides = _prepare(q, k, v)
@@ -191,23 +208,15 @@ def forward_masked(q, k, v, module, table_args: tuple, has_full: bool, scale: fl
         module.flex_hopper_sparse_fwd[(L // BLOCK_M, B * Hq)], *descs, *table_args, *strides,
         *_sizes(q, k, scale), *caps, has_full, BLOCK_M // 2, BLOCK_N, D, NUM_STAGES, WG_REGS,
         num_warps=4, maxnreg=MAX_REGS)
-    if key is not None and key not in _compiled:
-        try:
-            launch()
-        except Exception:  # noqa: BLE001  (a compile error of a mod Gluon does not take)
-            _unsupported.add(key)
-            return None
-        _compiled.add(key)
-    else:
-        launch()
-    return result
+    return result if _launch_once(key, launch) else None
 
 
 def forward(q, k, v, scale: float):
-    """out (B, Hq, L, D), lse (B, Hq, L) and row_stats (2, B, Hq, L), as the template's forward."""
+    """out (B, Hq, L, D), lse (B, Hq, L) and row_stats (2, B, Hq, L), as the template's forward;
+    None where the kernel failed to build (see _launch_once; the caller takes the template)."""
     result, descs, strides = _prepare(q, k, v)
     B, Hq, L, D = q.shape
-    _kernel().flex_hopper_dense_fwd[(L // BLOCK_M, B * Hq)](
-        *descs, *strides, *_sizes(q, k, scale), BLOCK_M // 2, BLOCK_N, D, NUM_STAGES, WG_REGS,
-        num_warps=4, maxnreg=MAX_REGS)
-    return result
+    launch = functools.partial(
+        _kernel().flex_hopper_dense_fwd[(L // BLOCK_M, B * Hq)], *descs, *strides, *_sizes(q, k, scale),
+        BLOCK_M // 2, BLOCK_N, D, NUM_STAGES, WG_REGS, num_warps=4, maxnreg=MAX_REGS)
+    return result if _launch_once(("dense", q.dtype), launch) else None
