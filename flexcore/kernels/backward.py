@@ -24,7 +24,7 @@ import math
 import torch
 
 from flexcore._runtime import capturing, use_interpreter
-from flexcore.kernels.codegen import HEADER, cached_module, fill_template, read_template
+from flexcore.kernels.codegen import HEADER, cached_module, cap_list, fill_template, read_template
 from flexcore.kernels.forward import (BlockTensors, _check_tile, ensure_tma_allocator, fit_tile, pad_head_dim,
                                       q_rows_descriptor, use_tma)
 from flexcore.kernels.launch import (arg_key, direct_launches, get_plan, keep_plan, launch, out_of_resources,
@@ -36,19 +36,15 @@ _LOG2E = 1.4426950408889634
 FIXED_POINT_BITS = 32
 
 
-def _cap_list(names) -> str:
-    return "".join(", " + n for n in names)
-
-
 def build_backward_source(score_lowered, score_bwd_lowered, mask_lowered) -> str:
     """The backward template filled with the forward mods and the score_mod's lowered VJP."""
     functions = "\n\n\n".join(m.source.rstrip() for m in (score_lowered, score_bwd_lowered, mask_lowered))
     values = {
         "MOD_FUNCTIONS": functions + "\n",
-        "SCORE_CAPS": _cap_list(score_lowered.cap_params),
-        "MASK_CAPS": _cap_list(mask_lowered.cap_params),
-        "CAPS": _cap_list(tuple(score_lowered.cap_params) + tuple(mask_lowered.cap_params)),
-        "GRAD_CAPS": _cap_list(score_bwd_lowered.grad_params),
+        "SCORE_CAPS": cap_list(score_lowered.cap_params),
+        "MASK_CAPS": cap_list(mask_lowered.cap_params),
+        "CAPS": cap_list(tuple(score_lowered.cap_params) + tuple(mask_lowered.cap_params)),
+        "GRAD_CAPS": cap_list(score_bwd_lowered.grad_params),
     }
     return HEADER + fill_template(read_template("backward.py.tmpl"), values)
 

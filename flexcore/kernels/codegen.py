@@ -80,7 +80,8 @@ def load_module(source: str, name_hint: str = "kernel") -> ModuleType:
         return mod
 
 
-def _cap_list(names) -> str:
+def cap_list(names) -> str:
+    """A placeholder's value for captured parameters: `, name, name...` (or empty)."""
     return "".join(", " + n for n in names)
 
 
@@ -88,9 +89,9 @@ def build_kernel_source(template_name: str, score_mod, mask_mod) -> str:
     """Fill ``template_name`` with two lowered mods (see flexcore/README.md for the placeholders)."""
     values = {
         "MOD_FUNCTIONS": score_mod.source.rstrip() + "\n\n\n" + mask_mod.source.rstrip() + "\n",
-        "SCORE_CAPS": _cap_list(score_mod.cap_params),
-        "MASK_CAPS": _cap_list(mask_mod.cap_params),
-        "CAPS": _cap_list(tuple(score_mod.cap_params) + tuple(mask_mod.cap_params)),
+        "SCORE_CAPS": cap_list(score_mod.cap_params),
+        "MASK_CAPS": cap_list(mask_mod.cap_params),
+        "CAPS": cap_list(tuple(score_mod.cap_params) + tuple(mask_mod.cap_params)),
     }
     return HEADER + fill_template(read_template(template_name), values)
 

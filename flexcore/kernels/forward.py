@@ -75,12 +75,19 @@ class BlockTensors:
             stats = self.stats(rows)
             if stats is None:
                 return None
-            low, high, total = stats[:3]
+            low, high = stats[:2]
             order = None
-            if low != high and total >= 4 * min_mean_blocks * self.num_blocks[..., :rows].numel():
+            if low != high and self.visits_on_average(rows, min_mean_blocks):
                 order = longest_first(self.row_cost(rows).reshape(-1), group).to(torch.int32)
             self._orders[key] = order
         return self._orders[key]
+
+    def visits_on_average(self, rows: int, blocks: float) -> bool:
+        """Whether the first ``rows`` mask rows of every batch and head visit ``blocks`` key blocks
+        or more on average, counted as :meth:`row_cost` does (a partial block 5/4 of a full one).
+        False inside a CUDA graph capture until a call outside one has computed :meth:`stats`."""
+        stats = self.stats(rows)
+        return stats is not None and stats[2] >= 4 * blocks * self.num_blocks[..., :rows].numel()
 
     def stats(self, rows: int) -> tuple[int, int, int, int, int, int] | None:
         """Over the first ``rows`` mask rows of every batch and head: the least, most and total

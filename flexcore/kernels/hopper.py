@@ -118,9 +118,7 @@ def applies_masked(q, k, v, score_lowered, blocks, dense: bool, scale: float, op
           and (blocks.full_indices is None or blocks.full_indices.stride(-1) == 1)
           and _common(q, k, v, score_lowered, scale, opts))
     if ok and not HOPPER_MASKED:
-        rows = q.shape[2] // BLOCK_M
-        stats = blocks.stats(rows)  # row costs count a full block 4 and a partial one 5
-        ok = stats is not None and stats[2] >= 4 * MASKED_MIN_MEAN_BLOCKS * blocks.num_blocks[..., :rows].numel()
+        ok = blocks.visits_on_average(q.shape[2] // BLOCK_M, MASKED_MIN_MEAN_BLOCKS)
     if not ok and HOPPER_MASKED:
         raise RuntimeError("flexcore.kernels.hopper.HOPPER_MASKED is True but the call is not one it serves")
     return ok
@@ -160,7 +158,7 @@ def masked_module(mask_lowered):
 
     def build():
         values = {"MOD_FUNCTIONS": _gluon_source(mask_lowered.source),
-                  "MASK_CAPS": "".join(", " + n for n in mask_lowered.cap_params)}
+                  "MASK_CAPS": codegen.cap_list(mask_lowered.cap_params)}
         return codegen.HEADER + codegen.fill_template(codegen.read_template(key[0]), values)
 
     try:
@@ -172,7 +170,6 @@ def masked_module(mask_lowered):
 
 def tables(blocks) -> tuple:
     """The BlockMask tables and strides the masked kernel reads (a plan keeps them)."""
-    from flexcore.kernels.forward import BlockTensors  # noqa: F401  (the type of ``blocks``)
     full_n, full_i = blocks.full_tables()
     return ((blocks.num_blocks, blocks.indices, full_n, full_i,
              *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],

@@ -384,6 +384,8 @@ def test_schedule_only_where_rows_differ_and_are_long():
     assert _kv_blocks(causal, 2, 3).schedule(8, 4) is order  # kept with the mask, not the views
     # Rows of 4.5 blocks on average: below a minimum of 5 the natural order stays.
     assert blocks.schedule(8, 4, min_mean_blocks=5.0) is None
+    # Row i visits i full blocks and one partial (5/4 of a full one): 4.75 blocks on average.
+    assert blocks.visits_on_average(8, 4.75) and not blocks.visits_on_average(8, 4.8)
     noop = create_block_mask(lambda b, h, q, kv: q >= 0, None, None, 256, 256, device="cpu",
                              BLOCK_SIZE=32)
     assert _kv_blocks(noop, 2, 3).schedule(8, 4) is None  # every row alike: nothing to reorder
