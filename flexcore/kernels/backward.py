@@ -24,6 +24,7 @@ import math
 import torch
 
 from flexcore._runtime import capturing, use_interpreter
+from flexcore.kernels import hopper
 from flexcore.kernels.codegen import HEADER, cached_module, cap_list, fill_template, read_template
 from flexcore.kernels.forward import (BlockTensors, _check_tile, ensure_tma_allocator, fit_tile, pad_head_dim,
                                       q_rows_descriptor, use_tma)
@@ -258,12 +259,12 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         return plan(q, k, v, out, row_stats, grad_out, caps, score_lowered.captured,
                     score_bwd_lowered.grad_of, opts.deterministic)
     with recording() as record:
-        result, parts = _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered,
-                                  mask_lowered, kv_blocks, q_blocks, scale, opts, caps)
-    *parts, count = parts
+        result, (make_plan, count) = _backward(q, k, v, out, row_stats, grad_out, score_lowered,
+                                               score_bwd_lowered, mask_lowered, kv_blocks, q_blocks, scale,
+                                               opts, caps)
     launches = direct_launches(record, count)
     if launches is not None:
-        keep_plan(key, _BackwardPlan(launches, *parts), (kv_blocks, q_blocks))
+        keep_plan(key, make_plan(launches), (kv_blocks, q_blocks))
     return result
 
 
@@ -284,6 +285,7 @@ def _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
         grad_out.data_ptr() & 15, row_stats.data_ptr() & 15, scale, opts,
         TMA, FULL_RUNS, FULL_RUNS_MAX_HEAD_DIM, P_FROM_LSE, DENSE, frozenset(DENSE_HEAD_DIMS),
         WARP_SPEC, frozenset(WARP_SPEC_KINDS), FUSED, frozenset(_FUSED_HEAD_DIMS), EXACT_DELTA,
+        hopper.HOPPER_BACKWARD, hopper.BACKWARD_MIN_MEAN_BLOCKS,
         arg_key(caps) if caps else ())
 
 
@@ -349,12 +351,79 @@ class _BackwardPlan:
         return dq, dk, dv, _captured_grads(captured, grad_buffers, deterministic)
 
 
+def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool):
+    """delta = rowsum(dO * O), and with ``p_from_lse`` the rows' lse2 = m + log2(l), in one buffer
+    (1 or 2, B, Hq, L) of the accumulation dtype; and the preprocessing launch's integer arguments."""
+    import triton.language as tl
+
+    B, Hq, L, Dv = out.shape
+    fp64 = out.dtype == torch.float64
+    row_terms = torch.empty((2 if p_from_lse else 1, B, Hq, L), dtype=torch.float64 if fp64 else torch.float32,
+                            device=out.device)
+    pre_m = 64
+    pre_fixed = (*out.stride(), *grad_out.stride(), B * Hq * L, L, Hq)
+    run(module.flex_bwd_preprocess, (math.ceil(L / pre_m), B * Hq),
+        (out, grad_out, row_terms[0], row_stats, row_terms[-1], *pre_fixed),
+        dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=pad_head_dim(Dv), BLOCK_M=pre_m,
+             ACC_DTYPE=tl.float64 if fp64 else tl.float32, P_FROM_LSE=p_from_lse))
+    return row_terms, pre_fixed
+
+
+def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
+                     kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
+                     caps: tuple):
+    """backward's result and plan parts (as _backward's) from flexcore.kernels.hopper's Gluon kernels,
+    or None where they do not serve the call (see hopper.applies_backward) or fail to build for this
+    mask_mod."""
+    if hopper.HOPPER_BACKWARD is False or not q.is_cuda or use_interpreter():
+        return None
+    L, S = q.shape[2], k.shape[2]
+    sparse_q, sparse_kv = kv_blocks.sparse_block
+    dense = kv_blocks.all_full(math.ceil(L / sparse_q), math.ceil(S / sparse_kv))
+    if not hopper.applies_backward(q, k, v, grad_out, score_lowered, kv_blocks, q_blocks, dense, scale, opts):
+        return None
+    module = hopper.backward_module(mask_lowered)
+    if module is None:
+        return None
+    row_terms, pre_fixed = _preprocess(backward_module(score_lowered, score_bwd_lowered, mask_lowered), out,
+                                       grad_out, row_stats, True)
+    launches = hopper.BackwardLaunches(module, kv_blocks, q_blocks, dense, scale)
+    grads = hopper.backward(q, k, v, grad_out, row_terms[1], row_terms[0], launches, caps,
+                            ("backward_hopper.py.tmpl", mask_lowered.source, dense, q.dtype))
+    if grads is None:
+        return None
+    result = (*grads, _captured_grads(score_lowered.captured, {}, opts.deterministic))
+    return result, (lambda entries: _HopperBackwardPlan(entries, pre_fixed, launches, row_terms.shape), 3)
+
+
+class _HopperBackwardPlan:
+    """A repeated backward call that flexcore.kernels.hopper serves: the preprocessing launch and
+    the two Gluon kernels' direct launches."""
+
+    __slots__ = ("pre", "launches", "pre_fixed", "gluon", "rows_shape")
+
+    def __init__(self, entries, pre_fixed, gluon, rows_shape):
+        self.pre, self.launches = entries[0], tuple(entries[1:])
+        self.pre_fixed, self.gluon, self.rows_shape = pre_fixed, gluon, rows_shape
+
+    def __call__(self, q, k, v, out, row_stats, grad_out, caps, captured, grad_of, deterministic):
+        row_terms = torch.empty(self.rows_shape, dtype=torch.float32, device=q.device)
+        entry, grid = self.pre
+        entry.launch(grid, (out, grad_out, row_terms[0], row_stats, row_terms[1], *self.pre_fixed))
+        grads = self.gluon.replay(self.launches, q, k, v, grad_out, row_terms[1], row_terms[0], caps)
+        return (*grads, _captured_grads(captured, {}, deterministic))
+
+
 def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
               kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
               caps: tuple):
-    """backward's decisions and launches: (the result, (the preprocessing launch's integer
-    arguments, the backward launches' ones between the tensors and the captures, row_terms' shape
-    and dtype, whether the kernels read lse2, the number of launches that ran))."""
+    """backward's decisions and launches: (the result, (a function of the launches that ran,
+    recorded, to the plan that repeats them, the number of launches that ran)). The Gluon kernels of
+    flexcore.kernels.hopper serve the call where they apply."""
+    hopper_result = _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered,
+                                     mask_lowered, kv_blocks, q_blocks, scale, opts, caps)
+    if hopper_result is not None:
+        return hopper_result
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     module = backward_module(score_lowered, score_bwd_lowered, mask_lowered)
@@ -389,16 +458,9 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     import triton.language as tl  # after load_module: the interpreter is set up by then
 
     common["ACC_DTYPE"] = tl.float64 if acc_dtype == torch.float64 else tl.float32
-    # delta = rowsum(dO * O), and with P_FROM_LSE the rows' lse2 = m + log2(l), in one buffer.
     p_from_lse = P_FROM_LSE and itemsize == 2
-    row_terms = torch.empty((2 if p_from_lse else 1, B, Hq, L), dtype=acc_dtype, device=q.device)
+    row_terms, pre_fixed = _preprocess(module, out, grad_out, row_stats, p_from_lse)
     delta = row_terms[0]
-    pre_m = 64
-    pre_fixed = (*out.stride(), *grad_out.stride(), B * Hq * L, L, Hq)
-    run(module.flex_bwd_preprocess, (math.ceil(L / pre_m), B * Hq),
-        (out, grad_out, delta, row_stats, row_terms[-1], *pre_fixed),
-        dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad, BLOCK_M=pre_m, ACC_DTYPE=common["ACC_DTYPE"],
-             P_FROM_LSE=p_from_lse))
     if p_from_lse:
         row_stats = row_terms[1]  # the kernel reads lse2 where it read the row max, and no 1/l
 
@@ -484,5 +546,5 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     if not ran_fused:
         run_split()
     result = (dq, dk, dv, _captured_grads(captured, grad_buffers, opts.deterministic))
-    return result, (pre_fixed, fixed, row_terms.shape, acc_dtype, p_from_lse,
-                    (2 if ran_fused else 3) + exact_delta)
+    return result, (lambda launches: _BackwardPlan(launches, pre_fixed, fixed, row_terms.shape, acc_dtype,
+                                                   p_from_lse), (2 if ran_fused else 3) + exact_delta)

@@ -1,4 +1,4 @@
-"""Hand-scheduled forwards for Hopper GPUs, written in Gluon (triton's explicit-layout dialect).
+"""Hand-scheduled kernels for Hopper GPUs, written in Gluon (triton's explicit-layout dialect).
 
 They serve the forward at head dim 128 with the identity score_mod, in bf16 or fp16, on an sm_90
 GPU: the dense kernel (`_hopper_gluon.py`) a mask whose blocks are all full (no mask, ``noop_mask``),
@@ -21,7 +21,13 @@ build) takes the Triton template (flexcore.kernels.forward), and so does a call 
 descriptors cannot express.
 
 The outputs are the template's: out, lse (natural log) and row_stats (the row max in log2 units of
-the scaled scores, and 1/l), so the backward is unchanged.
+the scaled scores, and 1/l), so either backward reads them.
+
+The backward (the template `backward_hopper.py.tmpl`, after the Triton preprocessing kernel of
+flexcore.kernels.backward) serves the same calls, with masks whose rows, and their transpose's,
+average BACKWARD_MIN_MEAN_BLOCKS blocks or more: a dK/dV kernel (128 keys per program, 64-query tiles
+of Q and dO streamed) and a dQ kernel (128 queries per program, 64-key tiles of K and V streamed),
+each with one loader warp and two compute warpgroups (flexcore/README.md, bench/NOTES.md entry 42).
 """
 from __future__ import annotations
 
@@ -109,14 +115,18 @@ def applies(q, k, v, score_lowered, dense: bool, scale: float, opts) -> bool:
     return ok
 
 
+def _tables_ok(blocks) -> bool:
+    """Tables over 128x128 blocks whose index rows the kernels can step through (unit stride)."""
+    return (tuple(blocks.sparse_block) == (BLOCK_M, BLOCK_N) and blocks.indices.stride(-1) == 1
+            and (blocks.full_indices is None or blocks.full_indices.stride(-1) == 1))
+
+
 def applies_masked(q, k, v, score_lowered, blocks, dense: bool, scale: float, opts) -> bool:
     """Whether the masked kernel may serve the call: a mask that is not dense, over 128x128
     blocks, with the identity score_mod (the mask_mod may capture tensors)."""
     if HOPPER_MASKED is False or dense or use_interpreter() or not q.is_cuda:
         return False
-    ok = (tuple(blocks.sparse_block) == (BLOCK_M, BLOCK_N) and blocks.indices.stride(-1) == 1
-          and (blocks.full_indices is None or blocks.full_indices.stride(-1) == 1)
-          and _common(q, k, v, score_lowered, scale, opts))
+    ok = _tables_ok(blocks) and _common(q, k, v, score_lowered, scale, opts)
     if ok and not HOPPER_MASKED:
         ok = blocks.visits_on_average(q.shape[2] // BLOCK_M, MASKED_MIN_MEAN_BLOCKS)
     if not ok and HOPPER_MASKED:
@@ -217,3 +227,122 @@ def forward(q, k, v, scale: float):
         _kernel().flex_hopper_dense_fwd[(L // BLOCK_M, B * Hq)], *descs, *strides, *_sizes(q, k, scale),
         BLOCK_M // 2, BLOCK_N, D, NUM_STAGES, WG_REGS, num_warps=4, maxnreg=MAX_REGS)
     return result if _launch_once(("dense", q.dtype), launch) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward (templates/backward_hopper.py.tmpl): a dK/dV kernel and a dQ kernel, each with one
+# loader warp and two compute warpgroups of 64 rows, after the Triton preprocessing kernel of
+# flexcore.kernels.backward (delta and lse2).
+
+# None: used wherever it applies; False: never (benchmarks, tests); True: as None, and a call it
+# cannot serve raises instead of falling back (tests).
+HOPPER_BACKWARD: bool | None = None
+# Below this many key (query) blocks per row of the mask (of its transpose) on average, the Triton
+# template serves a masked backward: document masks, whose rows visit 2-8 blocks, ran no faster on
+# the GPU under the Gluon kernels and paid more host time per call for their descriptors
+# (bench/NOTES.md entry 42). True for HOPPER_BACKWARD also ignores it.
+BACKWARD_MIN_MEAN_BLOCKS = 8.0
+BWD_TILE = 64  # rows per compute warpgroup, and rows per streamed tile (queries for dK/dV, keys for dQ)
+BWD_DKDV_STAGES = 2  # Q and dO slots: 2 x 2 x 16 KB beside K and V's 64 KB
+BWD_DQ_STAGES = 3  # K and V slots: 3 x 2 x 16 KB beside Q and dO's 64 KB
+
+
+def applies_backward(q, k, v, grad_out, score_lowered, kv_blocks, q_blocks, dense: bool, scale: float,
+                     opts) -> bool:
+    """Whether the Gluon backward serves the call: what the forwards need (the identity score_mod, so
+    no captured tensor wants a gradient), dO readable as (rows, D), and for a mask that is not dense
+    both its tables over 128x128 blocks."""
+    if HOPPER_BACKWARD is False or use_interpreter() or not q.is_cuda:
+        return False
+    ok = (grad_out.dtype == q.dtype and grad_out.shape == q.shape and _rows(grad_out) is not None
+          and (dense or (_tables_ok(kv_blocks) and _tables_ok(q_blocks)))
+          and _common(q, k, v, score_lowered, scale, opts))
+    if ok and not dense and not HOPPER_BACKWARD:
+        ok = long_rows(kv_blocks, q_blocks, q.shape[2], k.shape[2], BACKWARD_MIN_MEAN_BLOCKS)
+    if not ok and HOPPER_BACKWARD:
+        raise RuntimeError("flexcore.kernels.hopper.HOPPER_BACKWARD is True but the call is not one it serves")
+    return ok
+
+
+def long_rows(kv_blocks, q_blocks, q_len: int, kv_len: int, blocks: float) -> bool:
+    """Whether the mask's rows and its transpose's rows (dQ's and dK/dV's programs) visit ``blocks``
+    blocks or more on average (BlockTensors.visits_on_average)."""
+    return (kv_blocks.visits_on_average(q_len // BLOCK_M, blocks)
+            and q_blocks.visits_on_average(kv_len // BLOCK_N, blocks))
+
+
+def backward_module(mask_lowered):
+    """The backward kernels' module for this mask_mod, or None where it does not build."""
+    from flexcore.kernels import codegen
+    key = ("backward_hopper.py.tmpl", mask_lowered.source)
+    if key in _unsupported:
+        return None
+
+    def build():
+        values = {"MOD_FUNCTIONS": _gluon_source(mask_lowered.source),
+                  "MASK_CAPS": codegen.cap_list(mask_lowered.cap_params)}
+        return codegen.HEADER + codegen.fill_template(codegen.read_template(key[0]), values)
+
+    try:
+        return codegen.cached_module(key, build, "backward_hopper")
+    except Exception:  # the mod's source does not import as Gluon: the template serves it
+        _unsupported.add(key)
+        return None
+
+
+class BackwardLaunches:
+    """What the backward kernels of one call read besides the call's tensors: the module, the mask's
+    tables and their strides, dense or not, the scale. A per-call plan keeps it with the two direct
+    launches that ran (flexcore.kernels.backward)."""
+
+    __slots__ = ("module", "q_tables", "kv_tables", "dense", "scale")
+
+    def __init__(self, module, kv_blocks, q_blocks, dense: bool, scale: float):
+        self.module, self.dense, self.scale = module, dense, scale
+        self.q_tables, self.kv_tables = tables(q_blocks), tables(kv_blocks)
+
+    def prepare(self, q, k, v, grad_out, lse2, delta, caps: tuple):
+        """(dq, dk, dv) to fill, and the two launches as (kernel, grid, arguments, constexprs)."""
+        mod = _kernel()
+        B, Hq, L, D = q.shape
+        Hkv, S = k.shape[1], k.shape[2]
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        rows = [_rows(t) for t in (q, k, v, grad_out)]
+        ins = [mod.descriptor(t, r[0], BWD_TILE) for t, r in zip((q, k, v, grad_out), rows)]
+        strides = [s for r in rows for s in r[1:]]
+        sizes = (L, S, self.scale, self.scale * _LOG2E, *caps)
+        (q_args, q_full), (kv_args, kv_full) = self.q_tables, self.kv_tables
+        common = dict(DENSE=self.dense, BLOCK_M=BWD_TILE, BLOCK_N=BWD_TILE, HEAD_DIM=D, WG_REGS=WG_REGS,
+                      num_warps=4, maxnreg=MAX_REGS)
+        dkdv = (self.module.flex_hopper_bwd_dkdv, (S // BLOCK_N, B * Hkv),
+                (*ins, mod.descriptor(dk, B * Hkv * S, BWD_TILE), mod.descriptor(dv, B * Hkv * S, BWD_TILE),
+                 lse2, delta, *q_args, *strides, Hq, Hkv, *sizes),
+                dict(GQA_GROUP=Hq // Hkv, HAS_FULL_BLOCKS=q_full, SPARSE_Q_BLOCK=BLOCK_M,
+                     NUM_STAGES=BWD_DKDV_STAGES, **common))
+        dq_launch = (self.module.flex_hopper_bwd_dq, (L // BLOCK_M, B * Hq),
+                     (*ins, mod.descriptor(dq, B * Hq * L, BWD_TILE), lse2, delta, *kv_args, *strides, Hq,
+                      Hq // Hkv, *sizes),
+                     dict(HAS_FULL_BLOCKS=kv_full, SPARSE_KV_BLOCK=BLOCK_N, NUM_STAGES=BWD_DQ_STAGES, **common))
+        return (dq, dk, dv), (dkdv, dq_launch)
+
+    def replay(self, entries, q, k, v, grad_out, lse2, delta, caps: tuple):
+        """(dq, dk, dv) through the direct launches ``entries`` ((entry, grid) pairs) of an earlier call."""
+        grads, launches = self.prepare(q, k, v, grad_out, lse2, delta, caps)
+        for (entry, grid), (_, _, args, _) in zip(entries, launches):
+            entry.launch(grid, args)
+        return grads
+
+
+def backward(q, k, v, grad_out, lse2, delta, launches: BackwardLaunches, caps: tuple, key):
+    """(dq, dk, dv) in the layouts of q, k, v made contiguous, from lse2 and delta (B, Hq, L) of the
+    preprocessing kernel; None where a kernel fails to compile (see _launch_once). The launches go
+    through flexcore.kernels.launch.run (direct launches, recorded for plans)."""
+    from flexcore.kernels.launch import run
+    grads, kernels = launches.prepare(q, k, v, grad_out, lse2, delta, caps)
+    for name, (kernel, grid, args, kwargs) in zip(("dkdv", "dq"), kernels):
+        if not _launch_once(key + (name,), functools.partial(run, kernel, grid, args, kwargs)):
+            _unsupported.add(key[:2])
+            return None
+    return grads

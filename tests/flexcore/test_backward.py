@@ -772,12 +772,36 @@ def test_backward_gpu(shape_name, mod_name, dtype):
                    device="cuda")
 
 
+def _template_backward(monkeypatch) -> None:
+    """These GPU tests test the Triton template's backward: the Gluon backward of
+    flexcore.kernels.hopper, which would serve their identity-score_mod cases at head dim 128 on an
+    sm_90 GPU, is switched off (tests/flexcore/test_hopper.py tests it)."""
+    from flexcore.kernels import hopper
+
+    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", False)
+
+
+_TEMPLATE_CASES = [(s, m) for s in ("gpu_1k", "gpu_gqa") for m in ("noop", "causal", "sliding_window",
+                                                                       "prefix_lm", "document")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape_name,mod_name", _TEMPLATE_CASES, ids=[f"{s}-{m}" for s, m in _TEMPLATE_CASES])
+def test_backward_template_gpu(monkeypatch, shape_name, mod_name):
+    # The masks the Gluon backward serves at head dim 128, on the Triton template it falls back to.
+    _template_backward(monkeypatch)
+    check_backward(_GPU_SHAPES[shape_name], mod_name, torch.bfloat16,
+                   seed=seed_of("gpu_template", mod_name, shape_name), device="cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape_name,mod_name", [("gpu_1k", "causal"), ("gpu_1k", "alibi"),
                                                  ("gpu_ragged", "prefix_lm"), ("gpu_ragged", "document"),
                                                  ("gpu_gqa", "sliding_window"), ("gpu_ragged", "stripes")])
 def test_backward_table_path_gpu(monkeypatch, shape_name, mod_name):
+    _template_backward(monkeypatch)
     # Every full block read from the tables (the matrix above steps over runs wherever they apply);
     # stripes has no runs on either path.
     from flexcore.kernels import backward as bwd
@@ -795,6 +819,7 @@ def test_backward_table_path_gpu(monkeypatch, shape_name, mod_name):
 @pytest.mark.parametrize("shape_name,mod_name", [("gpu_1k", "causal"), ("gpu_1k", "softcap"),
                                                  ("gpu_ragged", "document"), ("gpu_d256", "alibi")])
 def test_backward_row_stats_path_gpu(monkeypatch, shape_name, mod_name):
+    _template_backward(monkeypatch)
     # 16-bit inputs with probabilities from (m, 1/l) instead of lse2 (test_backward_gpu covers lse2).
     from flexcore.kernels import backward as bwd
 
@@ -818,6 +843,7 @@ def test_backward_dense_and_warp_specialized_gpu(monkeypatch, shape_name, mod_na
     """The dense backward and its warp-specialized loops on the GPU (compiled with the
     specialization), by the default rule or forced, against float64; 4-warp tiles (head dim 64),
     captured tensors, GQA and ragged lengths fall back."""
+    _template_backward(monkeypatch)
     from flexcore.kernels import backward as bwd
 
     shape = _GPU_SHAPES.get(shape_name) or Shape("gpu_ws64", B=2, Hq=4, Hkv=4, L=1024, S=1024, D=64,
@@ -837,6 +863,7 @@ def test_backward_dense_and_warp_specialized_gpu(monkeypatch, shape_name, mod_na
 def test_warp_specialized_backward_repeats_bit_identically_gpu(monkeypatch, mod_name):
     """dQ, dK and dV use no atomics, so repeated backward passes must agree bit for bit: a race in
     the warp-specialized loops (as seen once at 4 warps) would show as a difference or a NaN."""
+    _template_backward(monkeypatch)
     from flexcore.kernels import backward as bwd
 
     monkeypatch.setattr(bwd, "DENSE", True)
@@ -866,6 +893,7 @@ def test_dq_tiles_by_mod_gpu(monkeypatch, fused, mod_name, dq_block_n):
     """At head dim 128 the dQ programs step over 64 keys with a score_mod or a dense mask and over
     128 with a partial mask alone (entry 34 of bench/NOTES.md), in either launch layout; gradients
     against float64."""
+    _template_backward(monkeypatch)
     from flexcore.kernels import backward as bwd
 
     monkeypatch.setattr(bwd, "FUSED", fused)
@@ -896,6 +924,7 @@ def test_captured_gradients_gpu(learnable):
                          ids=["two-launches", "two-launches-tma", "one-launch", "one-launch-tma"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_launch_layouts_gpu(monkeypatch, fused, tma, head_dim):
+    _template_backward(monkeypatch)
     from flexcore.kernels import backward as bwd
 
     monkeypatch.setattr(bwd, "FUSED", fused)

@@ -86,6 +86,51 @@ def test_not_used_off_the_gpu_or_when_switched_off(monkeypatch):
     assert not hopper.applies(q, q, q, trivial, True, 0.1, opts)
 
 
+def test_backward_not_used_off_the_gpu_or_when_switched_off(monkeypatch):
+    from flexcore.kernels.forward import BlockTensors
+    from flexcore.lowering import lower_score_mod
+    from flexcore.options import KernelOptions
+    q = torch.zeros(1, 1, 128, 128, dtype=torch.bfloat16)
+    trivial = lower_score_mod(None, torch.float32)
+    opts = KernelOptions.from_any(None)
+    bm = create_block_mask(noop_mask, None, None, 128, 128, device="cpu")
+    blocks = BlockTensors.expanded(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                   bm.BLOCK_SIZE, 1, 1)
+    if not torch.cuda.is_available():  # CPU tensors and the interpreter
+        assert not hopper.applies_backward(q, q, q, q, trivial, blocks, blocks, True, 0.1, opts)
+    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", False)
+    assert not hopper.applies_backward(q, q, q, q, trivial, blocks, blocks, True, 0.1, opts)
+
+
+@pytest.mark.parametrize("mask, long", [("causal", True), ("sliding_1024", True), ("documents_256", False),
+                                        ("documents_1024", False)])
+def test_backward_long_rows(mask, long):
+    # The Gluon backward serves masks whose rows, and the rows of their transpose, visit
+    # BACKWARD_MIN_MEAN_BLOCKS (8) blocks or more on average (a partial block counts 5/4): at 4k a
+    # causal mask's rows average 16.75, a 1024-token sliding window's 8.31, causal documents of
+    # 1024 tokens 4.75 and of 256 tokens 1.75.
+    from flexcore.kernels.backward import q_block_tensors
+    from flexcore.kernels.forward import BlockTensors
+    N = 4096
+    if mask == "causal":
+        def mod(b, h, qi, ki):
+            return ki <= qi
+    elif mask == "sliding_1024":
+        def mod(b, h, qi, ki):
+            return (ki <= qi) & (qi - ki <= 1024)
+    else:
+        doc = int(mask.split("_")[1])
+
+        def mod(b, h, qi, ki):
+            return (qi // doc == ki // doc) & (ki <= qi)
+    bm = create_block_mask(mod, None, None, N, N, device="cpu")
+    kv = BlockTensors.expanded(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                               bm.BLOCK_SIZE, 1, 1)
+    q = q_block_tensors(bm, 1, 1)
+    assert hopper.long_rows(kv, q, N, N, hopper.BACKWARD_MIN_MEAN_BLOCKS) == long
+    assert hopper.long_rows(kv, q, N, N, 1.0)  # every mask here visits a block per row or more
+
+
 # --- on an sm_90 GPU ---
 
 def _hopper() -> bool:
@@ -347,3 +392,183 @@ def test_masked_kernel_only_for_long_rows_by_default(monkeypatch, rows_long):
     out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
     assert calls == ([True] if rows_long else [])
     assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper rows long={rows_long}")
+
+
+# --- the backward (backward_hopper.py.tmpl) ---
+
+def _spy_backward(monkeypatch) -> list:
+    calls = []
+    real = hopper.backward
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(hopper, "backward", spy)
+    return calls
+
+
+def _check_grads(q, k, v, bm, what: str, enable_gqa=False, scale=None):
+    """Forward + backward against the float64 reference, tolerances relative to torch's own error
+    in the same dtype (as check_backward). Returns flexcore's gradients."""
+    from flexcore.reference import flex_attention_reference
+    from flexcore.testing import assert_close_to_reference
+    gen = torch.Generator().manual_seed(seed_of("hopper-grads", what))
+    grad_out = torch.randn(q.shape[:3] + (v.shape[3],), generator=gen).to(q.device, q.dtype)
+    inputs = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flex_attention(*inputs, block_mask=bm, enable_gqa=enable_gqa, scale=scale)
+    ours = torch.autograd.grad(out, inputs, grad_out)
+    gold_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    gold = flex_attention_reference(*gold_in, block_mask=bm, enable_gqa=enable_gqa, scale=scale, upcast=True)
+    golden = torch.autograd.grad(gold, gold_in, grad_out.double())
+    base = flex_attention_reference(*inputs, block_mask=bm, enable_gqa=enable_gqa, scale=scale, upcast=False)
+    baseline = torch.autograd.grad(base, inputs, grad_out)
+    for name, a, g, b, x in zip(("dq", "dk", "dv"), ours, golden, baseline, inputs):
+        assert a.shape == x.shape and a.dtype == x.dtype, f"{what} {name}: {a.shape} {a.dtype}"
+        assert torch.isfinite(a).all(), f"{what} {name} has NaN/inf"
+        assert_close_to_reference(a, g, b, metric="rel_fro", atol=1e-3, name=f"{what}: {name}")
+    return ours
+
+
+_BACKWARD_SHAPES = _SHAPES[:5]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", _BACKWARD_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("mod_name", ["noop", "causal", "sliding_window", "prefix_lm", "document"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_backward_matches_reference(monkeypatch, shape, mod_name, dtype):
+    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)  # raises if the call is not served
+    calls = _spy_backward(monkeypatch)
+    check_backward(shape, mod_name, dtype, seed=seed_of("hopper-bwd-gluon", shape.name, mod_name, str(dtype)),
+                   device="cuda")
+    assert calls == [True], "the Gluon backward did not run"
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", ["empty_rows", "rows_masked_inside_a_block", "no_full_blocks", "scale"])
+def test_backward_rows_without_keys(monkeypatch, case):
+    # Rows that keep no key (lse2 = +inf: p = 0), rows a partial block masks entirely, partial
+    # blocks only; and a scale other than the default.
+    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)
+    calls = _spy_backward(monkeypatch)
+    L = S = 1024
+    if case == "empty_rows":
+        def mask(b, h, qi, ki):
+            return (qi >= 256) & (ki <= qi)
+    elif case == "rows_masked_inside_a_block":
+        def mask(b, h, qi, ki):
+            return (qi >= 200) & (ki <= qi)
+    elif case == "no_full_blocks":
+        def mask(b, h, qi, ki):
+            return (qi - ki) % 7 == 0
+    else:
+        def mask(b, h, qi, ki):
+            return ki <= qi
+    gen = torch.Generator().manual_seed(seed_of("hopper-bwd-empty", case))
+    q, k, v = (torch.randn(2, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
+    bm = create_block_mask(mask, None, None, L, S, device="cuda")
+    _check_grads(q, k, v, bm, f"hopper bwd {case}", scale=0.3 if case == "scale" else None)
+    if case != "no_full_blocks":  # its % lowers to a helper that Gluon may not take (then: template)
+        assert calls == [True]
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("layout", ["head_slice", "padded_rows", "shared_batch_gqa"])
+def test_backward_layouts(monkeypatch, layout):
+    # Views one (rows, D) descriptor reads: every other head, padded rows, and K/V of batch 1
+    # shared across the batch (batch stride 0) under GQA, whose dK/dV sum over the batch.
+    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)
+    calls = _spy_backward(monkeypatch)
+    B, H, N, D = 2, 4, 1024, 128
+    gen = torch.Generator().manual_seed(seed_of("hopper-bwd-layout", layout))
+
+    def make(batch=B, heads=H):
+        if layout == "head_slice":
+            return torch.randn(batch, 2 * heads, N, D, generator=gen).to("cuda", torch.bfloat16)[:, 1::2]
+        if layout == "padded_rows":
+            return torch.randn(batch, heads, N, D + 64, generator=gen).to("cuda", torch.bfloat16)[..., :D]
+        return torch.randn(batch, heads, N, D, generator=gen).to("cuda", torch.bfloat16)
+
+    gqa = layout == "shared_batch_gqa"
+    q = make()
+    k, v = (make(1, 2), make(1, 2)) if gqa else (make(), make())
+    bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, N, N, device="cuda")
+    _check_grads(q, k, v, bm, f"hopper bwd layout {layout}", enable_gqa=gqa)
+    assert calls == [True]
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_backward_is_deterministic(monkeypatch):
+    # No atomics: two backwards of the same inputs give bit-identical gradients.
+    calls = _spy_backward(monkeypatch)
+    gen = torch.Generator().manual_seed(seed_of("hopper-bwd-det"))
+    q, k, v = (torch.randn(2, 8, 2048, 128, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    go = torch.randn_like(q)
+    bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, 2048, 2048, device="cuda")
+    first = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm), (q, k, v), go)
+    second = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm), (q, k, v), go)
+    assert calls == [True, True]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("mask", ["noop", "causal", "sliding_window"])
+def test_backward_is_the_templates_bit_for_bit(monkeypatch, mask):
+    # Same tiles (dK/dV: 64 queries over 128 keys; dQ: steps of 64 keys), same summation order and
+    # the same arithmetic per score: the Gluon kernels and the template give identical gradients
+    # (flexcore/README.md says so).
+    gen = torch.Generator().manual_seed(seed_of("hopper-bwd-bits", mask))
+    q, k, v = (torch.randn(2, 4, 2048, 128, generator=gen).to("cuda", torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    go = torch.randn_like(q)
+    mods = {"noop": None, "causal": lambda b, h, qi, ki: ki <= qi,
+            "sliding_window": lambda b, h, qi, ki: (ki <= qi) & (qi - ki <= 1024)}
+    bm = None if mods[mask] is None else create_block_mask(mods[mask], None, None, 2048, 2048, device="cuda")
+    calls = _spy_backward(monkeypatch)
+    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)  # the window's rows are short at 2k
+    gluon = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm), (q, k, v), go)
+    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", False)
+    template = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm), (q, k, v), go)
+    assert calls == [True]
+    for name, a, b in zip(("dq", "dk", "dv"), gluon, template):
+        assert torch.equal(a, b), f"{mask} {name}: max difference {(a.float() - b.float()).abs().max().item()}"
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", ["score_mod", "d64", "ragged", "mask_helper"])
+def test_backward_falls_back_to_the_template(monkeypatch, case):
+    # A score_mod, head dim 64 and lengths that are not multiples of 128 take the template; so does
+    # a mask_mod whose Gluon source does not build (floor division lowers to a helper), after one
+    # failed first launch. Every case matches the reference.
+    calls = _spy_backward(monkeypatch)
+    L = S = 1000 if case == "ragged" else 1024
+    D = 64 if case == "d64" else 128
+    gen = torch.Generator().manual_seed(seed_of("hopper-bwd-fallback", case))
+    q, k, v = (torch.randn(1, 2, n, D, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
+    if case == "mask_helper":
+        def mask(b, h, qi, ki):
+            return (qi // 256) == (ki // 256)
+    else:
+        def mask(b, h, qi, ki):
+            return ki <= qi
+    bm = create_block_mask(mask, None, None, L, S, device="cuda")
+    if case == "score_mod":
+        inputs = [t.requires_grad_() for t in (q, k, v)]
+        out = flex_attention(*inputs, score_mod=lambda s, b, h, qi, ki: s * 0.5, block_mask=bm)
+        out.sum().backward()
+        assert all(torch.isfinite(t.grad).all() for t in inputs)
+    else:
+        _check_grads(q, k, v, bm, f"hopper bwd fallback {case}")
+    assert calls in ([], [False], [True]), calls
+    if case in ("score_mod", "d64", "ragged"):
+        assert calls == []

@@ -1,0 +1,102 @@
+"""The Gluon backward (flexcore.kernels.hopper, templates/backward_hopper.py.tmpl) against the
+Triton template's backward and torch's compiled flex_attention: forward+backward and forward alone
+(ms, median of do_bench), their difference as the backward, and the largest difference between the
+two flexcore backwards' gradients. bf16, H=16, D=128, B=4 S=4096 and B=1 S=16384.
+Usage: PYTHONPATH=. python3 bench/probes/gluon_bwd.py [--rounds=2] [--sizes=4096,16384]
+[--masks=noop,causal,sliding,prefix,document] [--profile]
+--profile: also each kernel's GPU time per call (torch.profiler, 5 calls), Gluon and template backward.
+"""
+import sys
+
+import torch
+from torch.nn.attention import flex_attention as tf
+from triton.testing import do_bench
+
+from flexcore import create_block_mask, flex_attention
+from flexcore.kernels import hopper
+from flexcore.kernels import launch as L
+
+ARGS = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
+ROUNDS = int(ARGS.get("rounds", 2))
+SIZES = [int(s) for s in ARGS.get("sizes", "4096,16384").split(",")]
+MASKS = ARGS.get("masks", "noop,causal,sliding,prefix,document").split(",")
+PROFILE = "--profile" in sys.argv
+torch._dynamo.config.cache_size_limit = 1000
+torch_flex = torch.compile(tf.flex_attention, dynamic=False)
+
+
+def mask_of(name, S):
+    if name == "noop":
+        return None
+    if name == "causal":
+        return lambda b, h, q, kv: q >= kv
+    if name == "sliding":
+        return lambda b, h, q, kv: (q >= kv) & (q - kv <= 1024)
+    if name == "prefix":
+        return lambda b, h, q, kv: (q >= kv) | (kv < S // 4)
+    gen = torch.Generator().manual_seed(0)
+    cuts = torch.sort(torch.randperm(S - 1, generator=gen)[:7] + 1).values
+    doc = torch.zeros(S, dtype=torch.int32)
+    doc[cuts] = 1
+    doc = doc.cumsum(0).to("cuda")
+    return lambda b, h, q, kv: (doc[q] == doc[kv]) & (q >= kv)
+
+
+print(f"{torch.cuda.get_device_name()}; ms, median of do_bench; bwd = fwd+bwd - fwd")
+print("| mask | S | fwd+bwd gluon | fwd+bwd template | fwd+bwd torch | bwd gluon | bwd template | bwd torch"
+      " | fb gluon/torch | fb template/torch | max |dgrad| |")
+for S in SIZES:
+    B = 16384 // S
+    q, k, v = (torch.randn(B, 16, S, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    go = torch.randn_like(q)
+    for name in MASKS:
+        mod = mask_of(name, S)
+        bm = None if mod is None else create_block_mask(mod, None, None, S, S, device="cuda")
+        tbm = None if mod is None else tf.create_block_mask(mod, None, None, S, S, device="cuda")
+
+        def ours():
+            return torch.autograd.grad(flex_attention(q, k, v, block_mask=bm), (q, k, v), go)
+
+        def ours_fwd():
+            with torch.no_grad():
+                return flex_attention(q, k, v, block_mask=bm)
+
+        def theirs():
+            return torch.autograd.grad(torch_flex(q, k, v, block_mask=tbm), (q, k, v), go)
+
+        def theirs_fwd():
+            with torch.no_grad():
+                return torch_flex(q, k, v, block_mask=tbm)
+
+        grads = {}
+        times = {key: [] for key in ("g", "t", "x", "gf", "xf")}
+        for r in range(ROUNDS):
+            for key, gluon in (("g", None), ("t", False)):
+                hopper.HOPPER_BACKWARD = gluon
+                L.clear_plans()
+                grads[key] = ours()
+                times[key].append(do_bench(ours, warmup=10, rep=200, return_mode="median"))
+            hopper.HOPPER_BACKWARD = None
+            times["gf"].append(do_bench(ours_fwd, warmup=10, rep=200, return_mode="median"))
+            theirs()
+            times["x"].append(do_bench(theirs, warmup=10, rep=200, return_mode="median"))
+            times["xf"].append(do_bench(theirs_fwd, warmup=10, rep=200, return_mode="median"))
+        t = {key: min(val) for key, val in times.items()}
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads["g"], grads["t"]))
+        if PROFILE:
+            for gluon in (None, False):
+                hopper.HOPPER_BACKWARD = gluon
+                L.clear_plans()
+                ours()
+                torch.cuda.synchronize()
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        ours()
+                    torch.cuda.synchronize()
+                rows = [(e.key[:40], e.device_time_total / 5 / 1000) for e in prof.key_averages()]
+                print(f"  {name} {S} {'gluon' if gluon is None else 'template'} kernels (ms per call): "
+                      + ", ".join(f"{k} {t:.3f}" for k, t in sorted(rows, key=lambda r: -r[1])[:5]))
+            hopper.HOPPER_BACKWARD = None
+        print(f"| {name} | {S} | {t['g']:.3f} | {t['t']:.3f} | {t['x']:.3f} | {t['g'] - t['gf']:.3f} | "
+              f"{t['t'] - t['gf']:.3f} | {t['x'] - t['xf']:.3f} | {t['x'] / t['g']:.3f} | {t['x'] / t['t']:.3f} | "
+              f"{diff:.2e} |", flush=True)
