@@ -159,23 +159,28 @@ def _gluon_source(src: str) -> str:
     return re.sub(r"\btl\.", "gl.", src.replace("@triton.jit", "@gluon.jit"))
 
 
-def masked_module(mask_lowered):
-    """The masked kernel's module for this mask_mod, or None where it does not build."""
+def _mask_module(template: str, mask_lowered):
+    """The module of a Gluon template filled with this mask_mod, or None where it does not build."""
     from flexcore.kernels import codegen
-    key = ("forward_hopper.py.tmpl", mask_lowered.source)
+    key = (template, mask_lowered.source)
     if key in _unsupported:
         return None
 
     def build():
         values = {"MOD_FUNCTIONS": _gluon_source(mask_lowered.source),
                   "MASK_CAPS": codegen.cap_list(mask_lowered.cap_params)}
-        return codegen.HEADER + codegen.fill_template(codegen.read_template(key[0]), values)
+        return codegen.HEADER + codegen.fill_template(codegen.read_template(template), values)
 
     try:
-        return codegen.cached_module(key, build, "forward_hopper")
+        return codegen.cached_module(key, build, template.split(".")[0])
     except Exception:  # the mod's source does not import as Gluon: the template serves it
         _unsupported.add(key)
         return None
+
+
+def masked_module(mask_lowered):
+    """The masked forward's module for this mask_mod, or None where it does not build."""
+    return _mask_module("forward_hopper.py.tmpl", mask_lowered)
 
 
 def tables(blocks) -> tuple:
@@ -273,21 +278,7 @@ def long_rows(kv_blocks, q_blocks, q_len: int, kv_len: int, blocks: float) -> bo
 
 def backward_module(mask_lowered):
     """The backward kernels' module for this mask_mod, or None where it does not build."""
-    from flexcore.kernels import codegen
-    key = ("backward_hopper.py.tmpl", mask_lowered.source)
-    if key in _unsupported:
-        return None
-
-    def build():
-        values = {"MOD_FUNCTIONS": _gluon_source(mask_lowered.source),
-                  "MASK_CAPS": codegen.cap_list(mask_lowered.cap_params)}
-        return codegen.HEADER + codegen.fill_template(codegen.read_template(key[0]), values)
-
-    try:
-        return codegen.cached_module(key, build, "backward_hopper")
-    except Exception:  # the mod's source does not import as Gluon: the template serves it
-        _unsupported.add(key)
-        return None
+    return _mask_module("backward_hopper.py.tmpl", mask_lowered)
 
 
 class BackwardLaunches:

@@ -268,17 +268,37 @@ def test_repeated_calls_and_cuda_graphs(monkeypatch):
 
 # --- the masked kernel (forward_hopper.py.tmpl) ---
 
-def _spy_masked(monkeypatch) -> list:
+def _spy_served(monkeypatch, name: str) -> list:
+    """Whether each call of hopper.<name> (forward_masked, backward) was served (not None)."""
     calls = []
-    real = hopper.forward_masked
+    real = getattr(hopper, name)
 
     def spy(*args, **kwargs):
         result = real(*args, **kwargs)
         calls.append(result is not None)
         return result
 
-    monkeypatch.setattr(hopper, "forward_masked", spy)
+    monkeypatch.setattr(hopper, name, spy)
     return calls
+
+
+def _spy_masked(monkeypatch) -> list:
+    return _spy_served(monkeypatch, "forward_masked")
+
+
+def _edge_mask(case: str):
+    """Masks at L = S = 1024 whose rows keep no key (below row 256), rows a partial block masks
+    entirely (rows 128-199), and a mask of partial blocks only."""
+    if case == "empty_rows":
+        def mask(b, h, qi, ki):
+            return (qi >= 256) & (ki <= qi)
+    elif case == "rows_masked_inside_a_block":
+        def mask(b, h, qi, ki):
+            return (qi >= 200) & (ki <= qi)
+    else:
+        def mask(b, h, qi, ki):
+            return (qi - ki) % 7 == 0  # every block partial
+    return mask
 
 
 _MASKED_SHAPES = [_SHAPES[0], _SHAPES[1], _SHAPES[2], _SHAPES[5]]
@@ -319,15 +339,7 @@ def test_masked_rows_without_keys(monkeypatch, case):
     monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
     calls = _spy_masked(monkeypatch)
     L = S = 1024
-    if case == "empty_rows":
-        def mask(b, h, qi, ki):
-            return (qi >= 256) & (ki <= qi)
-    elif case == "rows_masked_inside_a_block":
-        def mask(b, h, qi, ki):
-            return (qi >= 200) & (ki <= qi)
-    else:
-        def mask(b, h, qi, ki):
-            return (qi - ki) % 7 == 0  # every block partial
+    mask = _edge_mask(case)
     gen = torch.Generator().manual_seed(seed_of("hopper-empty", case))
     q, k, v = (torch.randn(2, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
     bm = create_block_mask(mask, None, None, L, S, device="cuda")
@@ -397,16 +409,7 @@ def test_masked_kernel_only_for_long_rows_by_default(monkeypatch, rows_long):
 # --- the backward (backward_hopper.py.tmpl) ---
 
 def _spy_backward(monkeypatch) -> list:
-    calls = []
-    real = hopper.backward
-
-    def spy(*args, **kwargs):
-        result = real(*args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(hopper, "backward", spy)
-    return calls
+    return _spy_served(monkeypatch, "backward")
 
 
 def _check_grads(q, k, v, bm, what: str, enable_gqa=False, scale=None):
@@ -456,18 +459,11 @@ def test_backward_rows_without_keys(monkeypatch, case):
     monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)
     calls = _spy_backward(monkeypatch)
     L = S = 1024
-    if case == "empty_rows":
-        def mask(b, h, qi, ki):
-            return (qi >= 256) & (ki <= qi)
-    elif case == "rows_masked_inside_a_block":
-        def mask(b, h, qi, ki):
-            return (qi >= 200) & (ki <= qi)
-    elif case == "no_full_blocks":
-        def mask(b, h, qi, ki):
-            return (qi - ki) % 7 == 0
-    else:
+    if case == "scale":
         def mask(b, h, qi, ki):
             return ki <= qi
+    else:
+        mask = _edge_mask(case)
     gen = torch.Generator().manual_seed(seed_of("hopper-bwd-empty", case))
     q, k, v = (torch.randn(2, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
     bm = create_block_mask(mask, None, None, L, S, device="cuda")
