@@ -375,7 +375,7 @@ def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd
     """backward's result and plan parts (as _backward's) from flexcore.kernels.hopper's Gluon kernels,
     or None where they do not serve the call (see hopper.applies_backward) or fail to build for this
     mask_mod."""
-    if hopper.HOPPER_BACKWARD is False or not q.is_cuda or use_interpreter():
+    if not hopper.backward_may_apply(q):
         return None
     L, S = q.shape[2], k.shape[2]
     sparse_q, sparse_kv = kv_blocks.sparse_block
@@ -393,21 +393,23 @@ def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd
     if grads is None:
         return None
     result = (*grads, _captured_grads(score_lowered.captured, {}, opts.deterministic))
-    return result, (lambda entries: _HopperBackwardPlan(entries, pre_fixed, launches, row_terms.shape), 3)
+    return result, (lambda entries: _HopperBackwardPlan(entries, pre_fixed, launches, row_terms.shape,
+                                                        row_terms.dtype), 3)
 
 
 class _HopperBackwardPlan:
     """A repeated backward call that flexcore.kernels.hopper serves: the preprocessing launch and
     the two Gluon kernels' direct launches."""
 
-    __slots__ = ("pre", "launches", "pre_fixed", "gluon", "rows_shape")
+    __slots__ = ("pre", "launches", "pre_fixed", "gluon", "rows_shape", "rows_dtype")
 
-    def __init__(self, entries, pre_fixed, gluon, rows_shape):
+    def __init__(self, entries, pre_fixed, gluon, rows_shape, rows_dtype):
         self.pre, self.launches = entries[0], tuple(entries[1:])
-        self.pre_fixed, self.gluon, self.rows_shape = pre_fixed, gluon, rows_shape
+        self.pre_fixed, self.gluon = pre_fixed, gluon
+        self.rows_shape, self.rows_dtype = rows_shape, rows_dtype
 
     def __call__(self, q, k, v, out, row_stats, grad_out, caps, captured, grad_of, deterministic):
-        row_terms = torch.empty(self.rows_shape, dtype=torch.float32, device=q.device)
+        row_terms = torch.empty(self.rows_shape, dtype=self.rows_dtype, device=q.device)
         entry, grid = self.pre
         entry.launch(grid, (out, grad_out, row_terms[0], row_stats, row_terms[1], *self.pre_fixed))
         grads = self.gluon.replay(self.launches, q, k, v, grad_out, row_terms[1], row_terms[0], caps)

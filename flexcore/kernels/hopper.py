@@ -252,12 +252,18 @@ BWD_DKDV_STAGES = 2  # Q and dO slots: 2 x 2 x 16 KB beside K and V's 64 KB
 BWD_DQ_STAGES = 3  # K and V slots: 3 x 2 x 16 KB beside Q and dO's 64 KB
 
 
+def backward_may_apply(q) -> bool:
+    """The cheap part of applies_backward: switched on, a CUDA tensor, no interpreter (callers check
+    it before reading the mask's statistics for ``dense``)."""
+    return HOPPER_BACKWARD is not False and q.is_cuda and not use_interpreter()
+
+
 def applies_backward(q, k, v, grad_out, score_lowered, kv_blocks, q_blocks, dense: bool, scale: float,
                      opts) -> bool:
     """Whether the Gluon backward serves the call: what the forwards need (the identity score_mod, so
     no captured tensor wants a gradient), dO readable as (rows, D), and for a mask that is not dense
     both its tables over 128x128 blocks."""
-    if HOPPER_BACKWARD is False or use_interpreter() or not q.is_cuda:
+    if not backward_may_apply(q):
         return False
     ok = (grad_out.dtype == q.dtype and grad_out.shape == q.shape and _rows(grad_out) is not None
           and (dense or (_tables_ok(kv_blocks) and _tables_ok(q_blocks)))
