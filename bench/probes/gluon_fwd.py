@@ -13,7 +13,7 @@ against float32 SDPA. The variants, in the order they were tried:
   FlashAttention-3's order (both products issued back to back, the softmax of S(j) under
   P(j-1) V(j-1)), 2 is that order with the two warpgroups taking turns to issue.
 Schedule 1 with 128-key tiles and 3 slots is what landed as flexcore.kernels.hopper (its softmax
-step is imported from there).
+step is taken from there: the dense module of templates/forward_hopper.py.tmpl).
 Usage (GPU): PYTHONPATH=. python3 bench/probes/gluon_fwd.py [64,128]
 """
 import sys
@@ -26,7 +26,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 LOG2E = 1.4426950408889634
 
-from flexcore.kernels._hopper_gluon import _softmax_step  # noqa: E402  (the kernel that landed)
+from flexcore.kernels import hopper  # noqa: E402
+
+_softmax_step = hopper.dense_module()._softmax_step  # the kernel that landed (forward_hopper.py.tmpl)
 
 
 @gluon.jit

@@ -1,11 +1,10 @@
 """Hand-scheduled kernels for Hopper GPUs, written in Gluon (triton's explicit-layout dialect).
 
-They serve the forward at head dim 128 with the identity score_mod, in bf16 or fp16, on an sm_90
-GPU: the dense kernel (`_hopper_gluon.py`) a mask whose blocks are all full (no mask, ``noop_mask``),
-the masked one (the template `forward_hopper.py.tmpl`, filled with the lowered mask_mod) any other
-mask over 128x128 blocks whose rows average MASKED_MIN_MEAN_BLOCKS key blocks or more. Both run
-FlashAttention-3's schedule, which triton 3.6 does not produce from ``tl`` code
-(bench/NOTES.md entries 10, 14, 30, 40 and 41):
+The forward (the template `forward_hopper.py.tmpl`) serves head dim 128 with the identity score_mod,
+in bf16 or fp16, on an sm_90 GPU: with its DENSE constexpr set, a mask whose blocks are all full
+(no mask, ``noop_mask``); filled with the lowered mask_mod, any other mask over 128x128 blocks
+whose rows average MASKED_MIN_MEAN_BLOCKS key blocks or more. It runs FlashAttention-3's schedule,
+which triton 3.6 does not produce from ``tl`` code (bench/NOTES.md entries 10, 14, 30, 40 and 41):
 
 - one loader warp brings K and V tiles (128 keys) by TMA into three slots each, with a "ready"
   and an "empty" mbarrier per slot;
@@ -14,8 +13,8 @@ FlashAttention-3's schedule, which triton 3.6 does not produce from ``tl`` code
   S(j) only, and runs the softmax of S(j) while P(j-1) V(j-1) is still on the tensor cores;
 - a slot is released when both warpgroups have arrived on its "empty" barrier (count 2).
 
-The masked kernel walks the blocks the mask lists for the program's 128-row block, partial ones
-first (the mask_mod applied) and then full ones. Everything else (score_mods, other head dims and
+Under a mask, a program walks the blocks the mask lists for its 128-row block, partial ones first
+(the mask_mod applied) and then full ones. Everything else (score_mods, other head dims and
 dtypes, other GPUs, the interpreter, masks with short rows, mask_mods whose Gluon source does not
 build) takes the Triton template (flexcore.kernels.forward), and so does a call whose layout the
 descriptors cannot express.
@@ -58,8 +57,9 @@ _LOG2E = 1.4426950408889634
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel():
-    """The Gluon kernel, built on first use (None where this triton has no Hopper Gluon)."""
+def _gluon_host():
+    """The host side of the Gluon kernels (TMA descriptors), imported on first use (None where this
+    triton has no Hopper Gluon)."""
     try:
         from flexcore.kernels import _hopper_gluon
     except (ImportError, AttributeError):
@@ -100,7 +100,7 @@ def _common(q, k, v, score_lowered, scale: float, opts) -> bool:
         and score_lowered.is_trivial and not score_lowered.captured and scale > 0
         and L % BLOCK_M == 0 and S % BLOCK_N == 0 and L > 0 and S > 0
         and not opts.pins_tiles and _device_ok(q.device.index or 0)
-        and all(_rows(t) is not None for t in (q, k, v)) and _kernel() is not None
+        and all(_rows(t) is not None for t in (q, k, v)) and _gluon_host() is not None
     )
     return ok
 
@@ -179,8 +179,20 @@ def _mask_module(template: str, mask_lowered):
 
 
 def masked_module(mask_lowered):
-    """The masked forward's module for this mask_mod, or None where it does not build."""
+    """The forward's module for this mask_mod, or None where it does not build."""
     return _mask_module("forward_hopper.py.tmpl", mask_lowered)
+
+
+@functools.lru_cache(maxsize=None)
+def _noop_lowered():
+    from flexcore.lowering import lower_mask_mod
+    from flexcore.masks import noop_mask
+    return lower_mask_mod(noop_mask)
+
+
+def dense_module():
+    """The forward's module for dense masks (DENSE: no mask_mod runs; noop_mask fills the template)."""
+    return masked_module(_noop_lowered())
 
 
 def tables(blocks) -> tuple:
@@ -194,7 +206,7 @@ def tables(blocks) -> tuple:
 def _prepare(q, k, v):
     """The outputs, and the arguments both kernels take before their own: the four descriptors,
     lse, row_stats, and the batch and head strides in rows."""
-    mod = _kernel()
+    mod = _gluon_host()
     B, Hq, L, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device)
@@ -214,24 +226,26 @@ def _sizes(q, k, scale: float) -> tuple:
 def forward_masked(q, k, v, module, table_args: tuple, has_full: bool, scale: float, caps: tuple, key):
     """As :func:`forward`, over the mask's tables. None where the kernel fails to compile for this
     mask (the first launch of ``key``; the caller then takes the template)."""
-    result, descs, strides = _prepare(q, k, v)
-    B, Hq, L, D = q.shape
-    launch = functools.partial(
-        module.flex_hopper_sparse_fwd[(L // BLOCK_M, B * Hq)], *descs, *table_args, *strides,
-        *_sizes(q, k, scale), *caps, has_full, BLOCK_M // 2, BLOCK_N, D, NUM_STAGES, WG_REGS,
-        num_warps=4, maxnreg=MAX_REGS)
-    return result if _launch_once(key, launch) else None
+    return _forward(q, k, v, module, table_args, False, has_full, scale, caps, key)
 
 
 def forward(q, k, v, scale: float):
     """out (B, Hq, L, D), lse (B, Hq, L) and row_stats (2, B, Hq, L), as the template's forward;
     None where the kernel failed to build (see _launch_once; the caller takes the template)."""
+    module = dense_module()
+    if module is None:
+        return None
+    # DENSE reads no tables: any pointer and stride will do.
+    return _forward(q, k, v, module, (q,) * 4 + (0,) * 12, True, False, scale, (), ("dense", q.dtype))
+
+
+def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, scale: float, caps: tuple, key):
     result, descs, strides = _prepare(q, k, v)
     B, Hq, L, D = q.shape
     launch = functools.partial(
-        _kernel().flex_hopper_dense_fwd[(L // BLOCK_M, B * Hq)], *descs, *strides, *_sizes(q, k, scale),
-        BLOCK_M // 2, BLOCK_N, D, NUM_STAGES, WG_REGS, num_warps=4, maxnreg=MAX_REGS)
-    return result if _launch_once(("dense", q.dtype), launch) else None
+        module.flex_hopper_fwd[(L // BLOCK_M, B * Hq)], *descs, *table_args, *strides, *_sizes(q, k, scale),
+        *caps, dense, has_full, BLOCK_M // 2, BLOCK_N, D, NUM_STAGES, WG_REGS, num_warps=4, maxnreg=MAX_REGS)
+    return result if _launch_once(key, launch) else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,7 +314,7 @@ class BackwardLaunches:
 
     def prepare(self, q, k, v, grad_out, lse2, delta, caps: tuple):
         """(dq, dk, dv) to fill, and the two launches as (kernel, grid, arguments, constexprs)."""
-        mod = _kernel()
+        mod = _gluon_host()
         B, Hq, L, D = q.shape
         Hkv, S = k.shape[1], k.shape[2]
         dq = torch.empty_like(q, memory_format=torch.contiguous_format)
