@@ -1,4 +1,5 @@
-"""Launching flexcore's Triton kernels: direct launches, configurations that may not fit the GPU.
+"""Launching flexcore's Triton kernels: direct launches, configurations that may not fit the GPU,
+autotuned candidates compiled concurrently.
 
 Direct launches. ``kernel[grid](*args)`` goes through triton's ``JITFunction.run``, which binds and
 specialises every argument again at each call: 70-80 µs of host time for the forward's and the
@@ -11,6 +12,9 @@ Configurations that may not fit. A mod that keeps many values live (a gather fro
 say) can push a tile configuration past the shared memory of the GPU. Triton only finds out when the
 kernel is loaded, so a launch that runs out is retried with the next smaller configuration, and the
 configuration that worked is remembered for the same kernel and constexprs.
+
+Autotuned candidates. triton's autotuner compiles each configuration as it first times it, one after
+another; :class:`Tuned` compiles them all at once first, in threads (:func:`compile_threads`).
 """
 from __future__ import annotations
 
@@ -314,6 +318,7 @@ class Tuned:
             # tuned configuration into the graph).
             config = self.tuner.configs[0]
         elif config is None:
+            self._compile_configs(grid, args, kwargs)
             self.tuner[grid](*args, **kwargs)
             self.chosen[full_key] = self.tuner.best_config
             _record_launch(None, None)  # tuned: nothing to launch directly yet
@@ -326,6 +331,72 @@ class Tuned:
         if tuned:
             _remember(direct, self.tuner.fn, compiled, args, full, full, owner=self)
         _record_launch(_entry(direct, self) if tuned else None, grid(full) if callable(grid) else grid)
+
+    def _compile_configs(self, grid, args: tuple, kwargs: dict) -> None:
+        """Compile every configuration the autotuner is about to time, concurrently (triton's
+        compiler releases the GIL), so that a new mod's first call waits for the slowest compile
+        rather than for their sum (bench/NOTES.md, "First result of a new mod"). The autotuner
+        then finds them in the kernel's cache. A configuration that fails to compile here is left
+        to the autotuner, which reports or skips it as it would have."""
+        configs = self.tuner.configs
+        pool = _compile_pool(len(configs))
+        if pool is None:
+            return
+        from triton.runtime._async_compile import AsyncCompileMode, active_mode
+
+        if active_mode.get() is not None:  # the caller compiles asynchronously already
+            return
+        with AsyncCompileMode(pool, ignore_errors=True):
+            for config in configs:
+                full = {**kwargs, **config.all_kwargs()}
+                if self.fit is not None:  # the descriptors' block shapes are part of the signature
+                    self.fit(args, full)
+                try:
+                    self.tuner.fn.warmup(*args, grid=grid, **full)
+                except Exception:  # left to the autotuner (see above)
+                    pass
+
+
+# Threads that compile an autotuner's configurations (Tuned._compile_configs). None: the
+# environment variable FLEXLAB_COMPILE_THREADS if set, else the host's cores up to 8; 0 or 1
+# compiles one configuration after another, as triton's autotuner does (benchmarks, shared hosts).
+COMPILE_THREADS: int | None = None
+_pool = None  # the executor, made on first use; False where there is none
+
+
+def compile_threads() -> int:
+    """How many threads compile an autotuner's configurations (see COMPILE_THREADS)."""
+    import os
+
+    if COMPILE_THREADS is not None:
+        return int(COMPILE_THREADS)
+    value = os.environ.get("FLEXLAB_COMPILE_THREADS", "").strip()
+    if value:
+        try:
+            return max(0, int(value))
+        except ValueError:
+            raise ValueError(f"FLEXLAB_COMPILE_THREADS={value!r}: expected a number of threads "
+                             f"(0 or 1 compiles one configuration at a time)") from None
+    return min(8, os.cpu_count() or 1)
+
+
+def _compile_pool(count: int):
+    """The executor for ``count`` configurations, or None: one configuration, one thread, or a
+    triton without asynchronous compilation (before 3.5)."""
+    global _pool
+    workers = min(compile_threads(), count)
+    if workers < 2:
+        return None
+    if _pool is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        try:
+            from triton.runtime import _async_compile  # noqa: F401
+        except ImportError:
+            _pool = False
+            return None
+        _pool = ThreadPoolExecutor(max(2, compile_threads()), thread_name_prefix="flexlab-compile")
+    return _pool or None
 
 
 # Per-call plans. A kernel call repeated with the same shapes, strides, dtypes, alignments, mask

@@ -43,3 +43,43 @@ def test_decode_config(config, mod_name):
     shape = Shape("cfg_decode", B=4, Hq=32, Hkv=8, L=1, S=20000, D=128, Dv=128, block=128)
     check_decode(shape, mod_name, torch.bfloat16, seed=seed_of(mod_name, config), device="cuda",
                  opts={"BLOCK_N": block_n, "num_warps": warps, "num_stages": stages})
+
+
+def test_autotuned_candidates_compile_concurrently_and_once(monkeypatch):
+    """A new mod's first call compiles every candidate of the forward's autotuner in the compile
+    threads, with the arguments the autotuner then launches: it finds each one compiled (one
+    kernel per candidate in triton's cache, none compiled twice), and the result is right."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flexcore import create_block_mask, flex_attention
+    from flexcore.kernels import forward as F
+    from flexcore.kernels import launch as L
+    from tests.flexcore.compare import assert_matches_reference
+
+    submitted = []
+
+    class Spy(ThreadPoolExecutor):
+        def submit(self, fn, *args, **kwargs):
+            submitted.append(fn)
+            return super().submit(fn, *args, **kwargs)
+
+    monkeypatch.setattr(L, "COMPILE_THREADS", 4)
+    monkeypatch.setattr(L, "_pool", Spy(4))
+    before = set(F._autotuners)
+
+    def score_mod(score, b, h, q_idx, kv_idx):  # a constant no other test uses: a new module
+        return 29.375 * torch.tanh(score / 29.375)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("concurrent-compile"))
+    q, k, v = (torch.randn(1, 4, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
+    bm = create_block_mask(causal, 1, 1, 1024, 1024, device="cuda")
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True)
+    tuned = [t for key, t in F._autotuners.items() if key not in before and isinstance(t, L.Tuned)]
+    assert len(tuned) == 1
+    configs = tuned[0].tuner.configs
+    assert len(configs) >= 2 and len(submitted) == len(configs)
+    assert len(tuned[0].tuner.fn.device_caches[q.device.index or 0][0]) == len(configs)
+    assert_matches_reference(q, k, v, score_mod, bm, out, lse, "concurrent-compile")

@@ -37,7 +37,7 @@ class _Kernel:
                  fail_above: int | None = None):
         self.params = [_Param(n) for n in names] + [_Param(n, d) for n, d in defaults]
         self.compiled: dict = {}
-        self.slow = []
+        self.slow, self.warmed = [], []
         self.fail_above = fail_above
 
     def __getitem__(self, grid):
@@ -47,6 +47,13 @@ class _Kernel:
             self.slow.append((grid, args, kwargs))
             return self.compiled.setdefault(tuple(sorted(kwargs.items())), _Compiled())
         return call
+
+    def warmup(self, *args, grid, **kwargs):  # compiles without launching (Tuned._compile_configs)
+        from triton.runtime import _async_compile
+
+        self.warmed.append((args[1], kwargs, _async_compile.active_mode.get() is not None))
+        if self.fail_above is not None and kwargs.get("BLOCK_M", 0) > self.fail_above:
+            raise type("CompilationError", (Exception,), {})("does not compile")
 
 
 @pytest.fixture
@@ -301,9 +308,59 @@ def test_tuned_fit_before_untuned_launches(gpu_like):
     # The tuning call is the autotuner's own (in real use its configs' pre_hook fits the
     # descriptors: test_attention.py); Tuned fits before its launch through triton, then before
     # each direct one.
-    assert seen == [(6, 32), (7, 32)]
+    # Tuned also fits each configuration before compiling it (test_tuned_compiles_...).
+    assert seen == [(5, 64), (5, 32), (6, 32), (7, 32)]
     compiled, = kernel.compiled.values()
     assert len(kernel.slow) == 1 and len(compiled.launches) == 1
+
+
+@pytest.mark.parametrize("threads", [8, 1])
+def test_tuned_compiles_every_configuration_concurrently_before_tuning(gpu_like, monkeypatch, threads):
+    """The first call for a key compiles all the autotuner's configurations at once, in triton's
+    asynchronous compile mode, each fitted first; a configuration that fails to compile is left to
+    the autotuner; later calls and other keys of the same configurations compile nothing more."""
+    monkeypatch.setattr(L, "COMPILE_THREADS", threads)
+    monkeypatch.setattr(L, "_pool", None)
+    kernel = _Kernel(names=("x", "n", "scale", "BLOCK_M"), fail_above=32)  # BLOCK_M=64 fails
+    seen = []
+    tuner = L.Tuned(_Tuner(kernel), fit=lambda args, meta: seen.append(meta["BLOCK_M"]))
+    tuner.launch(lambda meta: (1,), (_x(), 5, 1.0), {"FLAG": False}, key=(3,))
+    assert tuner.tuner.tunings == 1
+    if threads < 2:
+        assert kernel.warmed == [] and seen == []
+        return
+    assert [(n, kw["BLOCK_M"], kw["num_warps"], kw["FLAG"], mode) for n, kw, mode in kernel.warmed] == [
+        (5, 64, 4, False, True), (5, 32, 4, False, True)]
+    assert seen == [64, 32]
+    tuner.launch(lambda meta: (1,), (_x(), 6, 1.0), {"FLAG": False}, key=(3,))
+    assert len(kernel.warmed) == 2  # tuned: launched, nothing compiled ahead
+    tuner.launch(lambda meta: (1,), (_x(), 7, 1.0), {"FLAG": False}, key=(4,))
+    assert len(kernel.warmed) == 4 and tuner.tuner.tunings == 2  # a new key tunes (triton's cache hits)
+
+
+def test_compile_threads_follow_the_setting_the_environment_and_the_cores(monkeypatch):
+    monkeypatch.setattr(L, "_pool", None)
+    monkeypatch.setattr(L, "COMPILE_THREADS", None)
+    monkeypatch.delenv("FLEXLAB_COMPILE_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert L.compile_threads() == 1 and L._compile_pool(3) is None
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert L.compile_threads() == 8
+    assert L._compile_pool(1) is None  # one configuration: nothing to overlap
+    pool = L._compile_pool(3)
+    assert pool is not None and pool._max_workers == 8 and L._compile_pool(2) is pool
+    pool.shutdown()
+    monkeypatch.setattr(L, "_pool", None)
+    monkeypatch.setenv("FLEXLAB_COMPILE_THREADS", "1")
+    assert L.compile_threads() == 1 and L._compile_pool(3) is None
+    monkeypatch.setenv("FLEXLAB_COMPILE_THREADS", "3")
+    assert L.compile_threads() == 3
+    monkeypatch.setattr(L, "COMPILE_THREADS", 0)  # the module setting wins
+    assert L.compile_threads() == 0 and L._compile_pool(3) is None
+    monkeypatch.setattr(L, "COMPILE_THREADS", None)
+    monkeypatch.setenv("FLEXLAB_COMPILE_THREADS", "many")
+    with pytest.raises(ValueError, match="FLEXLAB_COMPILE_THREADS='many': expected a number of threads"):
+        L.compile_threads()
 
 
 def test_recording_sees_what_a_plan_can_launch(gpu_like):

@@ -1,0 +1,45 @@
+"""Forward tile configurations for the anchors' document mask (8 documents, causal) at head dim
+128, bf16, H=16: each configuration pinned through kernel_options, against the autotuned default
+and torch's compiled flex_attention; do_bench median ms ratios to the autotuned
+default. Usage: PYTHONPATH=. python3 bench/probes/doc_tiles.py [spec]"""
+import sys
+
+import torch
+import triton
+from torch.nn.attention.flex_attention import create_block_mask as t_cbm
+from torch.nn.attention.flex_attention import flex_attention as t_flex
+
+from bench.mods import resolve
+from flexcore import create_block_mask, flex_attention
+
+SPEC = sys.argv[1] if len(sys.argv) > 1 else "document(num_documents=8)"
+CONFIGS = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2),
+           (128, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3)]
+H, D = 16, 128
+t_compiled = torch.compile(t_flex)
+
+
+def ms(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+for B, S in ((4, 4096), (1, 16384)):
+    mods = resolve(SPEC, B=B, H=H, KV_HEADS=H, Q_LEN=S, KV_LEN=S, D=D, device="cuda")
+    bm = create_block_mask(mods.mask_mod, B, None, S, S, device="cuda")
+    tbm = t_cbm(mods.mask_mod, B, None, S, S, device="cuda")
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    with torch.no_grad():
+        ref = flex_attention(q, k, v, block_mask=bm)
+        rows = [("autotuned", ms(lambda: flex_attention(q, k, v, block_mask=bm))),
+                ("torch flex", ms(lambda: t_compiled(q, k, v, block_mask=tbm)))]
+        for m, n, w, s in CONFIGS:
+            opts = {"BLOCK_M": m, "BLOCK_N": n, "num_warps": w, "num_stages": s}
+            try:
+                out = flex_attention(q, k, v, block_mask=bm, kernel_options=opts)
+                err = (out.float() - ref.float()).abs().max().item()
+                rows.append((f"{m}x{n} w{w} s{s} (err {err:.0e})",
+                             ms(lambda: flex_attention(q, k, v, block_mask=bm, kernel_options=opts))))
+            except Exception as e:  # a configuration that does not fit
+                rows.append((f"{m}x{n} w{w} s{s} {type(e).__name__}", float("nan")))
+    base = rows[0][1]
+    print(f"{SPEC} B={B} S={S}: " + " | ".join(f"{tag} {t:.4f} ms ({base / t:.3f}x)" for tag, t in rows), flush=True)
