@@ -1,7 +1,7 @@
 """Forward tile configurations for the anchors' document mask (8 documents, causal) at head dim
 128, bf16, H=16: each configuration pinned through kernel_options, against the autotuned default
 and torch's compiled flex_attention; do_bench median ms ratios to the autotuned
-default. Usage: PYTHONPATH=. python3 bench/probes/doc_tiles.py [spec]"""
+default. Usage: PYTHONPATH=. python3 bench/probes/doc_tiles.py [spec [MxNwWsS,...]]"""
 import sys
 
 import torch
@@ -15,6 +15,9 @@ from flexcore import create_block_mask, flex_attention
 SPEC = sys.argv[1] if len(sys.argv) > 1 else "document(num_documents=8)"
 CONFIGS = [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 2),
            (128, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (64, 128, 4, 3)]
+if len(sys.argv) > 2:  # e.g. 64x64w4s1,128x64w4s1
+    CONFIGS = [tuple(int(x) for x in c.replace("x", " ").replace("w", " ").replace("s", " ").split())
+               for c in sys.argv[2].split(",")]
 H, D = 16, 128
 t_compiled = torch.compile(t_flex)
 
