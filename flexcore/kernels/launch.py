@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import threading
 import warnings
 import weakref
@@ -366,8 +367,6 @@ _pool = None  # the executor, made on first use; False where there is none
 
 def compile_threads() -> int:
     """How many threads compile an autotuner's configurations (see COMPILE_THREADS)."""
-    import os
-
     if COMPILE_THREADS is not None:
         return int(COMPILE_THREADS)
     value = os.environ.get("FLEXLAB_COMPILE_THREADS", "").strip()
@@ -384,8 +383,8 @@ def _compile_pool(count: int):
     """The executor for ``count`` configurations, or None: one configuration, one thread, or a
     triton without asynchronous compilation (before 3.5)."""
     global _pool
-    workers = min(compile_threads(), count)
-    if workers < 2:
+    threads = compile_threads()
+    if min(threads, count) < 2:
         return None
     if _pool is None:
         from concurrent.futures import ThreadPoolExecutor
@@ -395,7 +394,7 @@ def _compile_pool(count: int):
         except ImportError:
             _pool = False
             return None
-        _pool = ThreadPoolExecutor(max(2, compile_threads()), thread_name_prefix="flexlab-compile")
+        _pool = ThreadPoolExecutor(threads, thread_name_prefix="flexlab-compile")
     return _pool or None
 
 
