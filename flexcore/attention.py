@@ -79,11 +79,52 @@ def _kv_blocks(block_mask, B, Hq):
             orders = _schedules.setdefault(block_mask, {})
         except TypeError:  # not weak-referenceable: its orders live with these views
             orders = None
+        try:
+            refine = functools.partial(_refine_kv, weakref.ref(block_mask), B, Hq)
+        except TypeError:  # not weak-referenceable: no finer tables (they would keep it alive)
+            refine = None
         return BlockTensors.expanded(block_mask.kv_num_blocks, block_mask.kv_indices,
                                      block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-                                     block_mask.BLOCK_SIZE, B, Hq, orders)
+                                     block_mask.BLOCK_SIZE, B, Hq, orders, refine)
 
     return _mask_views(block_mask, B, Hq, "kv", build)
+
+
+def _refine_kv(mask_ref, B, Hq, captured, compute: bool):
+    """``BlockTensors.refine`` of a mask's key-block tables (flexcore.kernels.forward.refined): the
+    tables over REFINE_BLOCK-sized blocks, expanded to (B, Hq, ...), and their cost relative to the
+    mask's own; None where the mask has none (see flexcore.blockmask.refine_block_map). Kept with
+    the mask while the mask_mod's captured tensors are unmodified (their version counters); with
+    ``compute`` False only a kept answer is given (inside a CUDA graph capture)."""
+    block_mask = mask_ref()
+    if block_mask is None:
+        return None
+    stamp = tuple((id(t), t._version) for t in captured)
+    hit = _views_cache.get((id(block_mask), B, Hq, "kv_fine"))
+    if hit is not None and hit[0]() is block_mask and hit[1] == stamp:
+        return hit[2]
+    if not compute:
+        return None
+    return _mask_views(block_mask, B, Hq, "kv_fine", lambda: _finer_tables(block_mask, B, Hq), stamp)
+
+
+def _finer_tables(block_mask, B, Hq):
+    from flexcore.blockmask import FULL, PARTIAL, refine_block_map, tables_from_block_map
+    from flexcore.kernels.forward import REFINE_BLOCK, BlockTensors
+
+    size = (REFINE_BLOCK, REFINE_BLOCK)
+    fine = refine_block_map(block_mask, size)
+    if fine is None:
+        return None
+    bq, bkv = block_mask.BLOCK_SIZE
+    per_block = (bq // REFINE_BLOCK) * (bkv // REFINE_BLOCK)
+    coarse = block_mask.kv_num_blocks.sum(dtype=torch.int64) * 5
+    if block_mask.full_kv_num_blocks is not None:
+        coarse = coarse + block_mask.full_kv_num_blocks.sum(dtype=torch.int64) * 4
+    cost = (fine == PARTIAL).sum(dtype=torch.int64) * 5 + (fine == FULL).sum(dtype=torch.int64) * 4
+    coarse, cost = torch.stack([coarse * per_block, cost]).tolist()  # one read-back per mask
+    tables = tables_from_block_map(fine)
+    return BlockTensors.expanded(*tables, size, B, Hq), (cost / coarse if coarse else 1.0)
 
 
 def _q_blocks(block_mask, B, Hq):

@@ -932,3 +932,78 @@ def create_mask(mod_fn: MaskMod | ScoreMod, B: int | None, H: int | None, Q_LEN:
             out[:, :, rows] = _evaluate_mask(mod_fn, kind, (0, B), (0, H), (rows.start, rows.stop),
                                              (0, KV_LEN), device)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Finer block maps for the kernels
+# ----------------------------------------------------------------------------------------------
+
+def refine_block_map(block_mask: BlockMask, block_size: tuple[int, int],
+                     max_elements: int | None = None) -> Tensor | None:
+    """The block map of ``block_mask`` at the finer ``block_size`` (each dim dividing the mask's):
+    sub-blocks of full blocks are full, of empty blocks empty, and in partial blocks the mask_mod is
+    evaluated (there only) and each sub-block classified as empty, partial or full.
+
+    A kernel whose tile is smaller than the mask's blocks visits, through these tables, only the
+    sub-blocks that keep something, and runs the mask_mod only on the partial ones. The result holds
+    for the mask_mod and its captured tensors as they are now, over the BlockMask's stored batch
+    and head sizes (index 0 where it broadcasts, as :func:`create_block_mask` evaluates it).
+
+    Returns:
+        (B, H, cdiv(Q_LEN, bq), cdiv(KV_LEN, bk)) int8 (0 empty, 1 partial, 2 full), or None when
+        the partial blocks hold more than ``max_elements`` positions (default ``_CHUNK_ELEMENTS``;
+        evaluating them would cost more than a kernel saves) or the mask_mod cannot be evaluated
+        (a sliced mask's placeholder mod): the caller keeps the mask's own tables.
+    """
+    bq, bk = block_mask.BLOCK_SIZE
+    fq, fk = _block_size_pair(block_size)
+    if bq % fq or bk % fk:
+        raise ValueError(f"block_size {(fq, fk)} must divide the mask's BLOCK_SIZE {(bq, bk)}")
+    rq, rk = bq // fq, bk // fk
+    Q_LEN, KV_LEN = block_mask.seq_lengths
+    coarse = block_mask.block_map()
+    device = coarse.device
+    nq, nk = min(_cdiv(Q_LEN, fq), coarse.shape[2] * rq), min(_cdiv(KV_LEN, fk), coarse.shape[3] * rk)
+    fine = coarse.repeat_interleave(rq, 2).repeat_interleave(rk, 3)[:, :, :nq, :nk].contiguous()
+    partial = (coarse == PARTIAL).nonzero()  # (P, 4): b, h, query block, key block
+    if partial.shape[0] * bq * bk > (max_elements or _CHUNK_ELEMENTS):
+        return None
+    rows = torch.arange(bq, device=device, dtype=torch.int32)
+    cols = torch.arange(bk, device=device, dtype=torch.int32)
+    sub_q = torch.arange(rq, device=device).view(1, rq, 1)
+    sub_k = torch.arange(rk, device=device).view(1, 1, rk)
+    step = max(1, _CHUNK_ELEMENTS // (bq * bk))
+    mask_mod = block_mask.mask_mod
+    with torch.no_grad():
+        for start in range(0, partial.shape[0], step):
+            b, h, qb, kb = partial[start:start + step].to(torch.int32).unbind(1)
+            n = b.shape[0]
+            q_idx = qb[:, None] * bq + rows
+            kv_idx = kb[:, None] * bk + cols
+            valid = (q_idx < Q_LEN)[:, :, None] & (kv_idx < KV_LEN)[:, None, :]
+            # Indices past the sequence (a ragged last block) are clamped for the call, then ignored.
+            args = (b.view(n, 1, 1, 1), h.view(n, 1, 1, 1),
+                    q_idx.clamp(max=Q_LEN - 1).view(n, 1, bq, 1),
+                    kv_idx.clamp(max=KV_LEN - 1).view(n, 1, 1, bk))
+            try:
+                kept = _as_bool_mask(_call_mod(mask_mod, args, "mask"), mask_mod, (n, 1, bq, bk), device)
+            except FlexError:
+                return None
+            kept = kept[:, 0] & valid
+            shape = (n, rq, fq, rk, fk)
+            n_kept = kept.reshape(shape).sum((2, 4))
+            n_valid = valid.reshape(shape).sum((2, 4))
+            state = torch.where(n_kept == 0, EMPTY, torch.where(n_kept == n_valid, FULL, PARTIAL))
+            fi = (qb.view(n, 1, 1) * rq + sub_q).expand(n, rq, rk)
+            fj = (kb.view(n, 1, 1) * rk + sub_k).expand(n, rq, rk)
+            inside = (fi < nq) & (fj < nk)
+            where = (b.view(n, 1, 1).expand(n, rq, rk)[inside].long(),
+                     h.view(n, 1, 1).expand(n, rq, rk)[inside].long(), fi[inside], fj[inside])
+            fine.index_put_(where, state[inside].to(torch.int8))
+    return fine
+
+
+def tables_from_block_map(block_map: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) of a block map (B, H, R, C)
+    (0 empty, 1 partial, 2 full), as :meth:`BlockMask.from_block_map` lists them."""
+    return (*_ordered_from_map(block_map, PARTIAL), *_ordered_from_map(block_map, FULL))

@@ -39,17 +39,21 @@ class BlockTensors:
     # Schedules computed for these tables (see schedule). ``expanded`` may share one dict that
     # lives as long as the BlockMask, so that a CUDA graph that captured an order keeps it.
     _orders: dict = field(default_factory=dict, compare=False, repr=False)
+    # ``refine(captured, compute)``: the same mask's tables over finer blocks and their cost
+    # relative to these ((BlockTensors, ratio), see refined), or None; ``compute`` False answers
+    # only what is already known (inside a CUDA graph capture). Set by flexcore.attention.
+    refine: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def expanded(cls, num_blocks, indices, full_num_blocks, full_indices, sparse_block,
-                 B: int, H: int, orders: dict | None = None) -> "BlockTensors":
+                 B: int, H: int, orders: dict | None = None, refine=None) -> "BlockTensors":
         """Tables of shape (1 or B, 1 or H, ...) viewed as (B, H, ...) without a copy. ``orders``:
-        where to keep the schedules (a new dict by default)."""
+        where to keep the schedules (a new dict by default); ``refine``: see the field."""
         def expand(t):
             return None if t is None else t.expand(B, H, *t.shape[2:])
 
         return cls(expand(num_blocks), expand(indices), expand(full_num_blocks),
-                   expand(full_indices), tuple(sparse_block), {} if orders is None else orders)
+                   expand(full_indices), tuple(sparse_block), {} if orders is None else orders, refine)
 
     def full_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(full_num_blocks, full_indices); for tables without full blocks, the partial ones stand in
@@ -348,10 +352,19 @@ def q_rows_descriptor(q: torch.Tensor, tma: bool) -> int:
     return rows if rows and use_tma((q,), True, True) else 0
 
 
-def _candidates(head_dim_pad: int, itemsize: int, dense: bool) -> list[tuple[int, int, int, int]]:
+# Candidates over 64x64 mask blocks (the finer tables of REFINE, or a mask built with
+# BLOCK_SIZE=64), where only 64x64 tiles fit. Measured on an H200 (bench/NOTES.md entry 48): three
+# stages gain up to 6% on document masks, two up to 9% on sliding windows at D=64.
+_FINE_CONFIGS = {64: [(64, 64, 4, 2), (64, 64, 4, 3)], 128: [(64, 64, 4, 3), (64, 64, 4, 2)]}
+
+
+def _candidates(head_dim_pad: int, itemsize: int, dense: bool,
+                sparse: tuple[int, int] = (128, 128)) -> list[tuple[int, int, int, int]]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) candidates, best first."""
     if dense and itemsize == 2 and head_dim_pad in _DENSE_CONFIGS:
         return _DENSE_CONFIGS[head_dim_pad]
+    if tuple(sparse) == (64, 64) and itemsize == 2 and head_dim_pad in _FINE_CONFIGS:
+        return _FINE_CONFIGS[head_dim_pad]
     return gpu_configs(head_dim_pad, itemsize)
 
 
@@ -371,7 +384,7 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
         return kernel, dict(BLOCK_M=bm, BLOCK_N=bn, **({"WARP_SPEC": True} if ws_only else {}))
     itemsize = torch.empty((), dtype=dtype).element_size()
     # ((BLOCK_M, BLOCK_N, num_warps, num_stages), warp-specialized), best first.
-    candidates = [(c, False) for c in _candidates(head_dim_pad, itemsize, dense)]
+    candidates = [(c, False) for c in _candidates(head_dim_pad, itemsize, dense, sparse)]
     if warp_spec and itemsize == 2:
         ws = [(c, True) for c in _DENSE_WS_CONFIGS.get(head_dim_pad, [])]
         candidates = ws if ws_only and ws else candidates + ws
@@ -417,6 +430,48 @@ SCHEDULE_GROUP: int | None = 256
 SCHEDULE_MIN_BLOCKS = 8.0
 
 
+# Finer tables for the template: where a mask's partial blocks hide empty and full sub-blocks
+# (documents a few blocks long: a query block that straddles a document boundary makes every block
+# of the previous document partial), the forward reads tables over REFINE_BLOCK x REFINE_BLOCK
+# blocks (flexcore.blockmask.refine_block_map, computed once per mask and kept with it) and runs
+# tiles of that size: it skips the empty sub-blocks and runs the mask_mod on the partial ones only.
+# Taken where the finer tables' cost (BlockTensors.row_cost, in units of the finer blocks) is at
+# most REFINE_MAX_COST of the mask's own, and the Gluon masked kernel does not serve the call.
+# Measured on an H200 (bench/NOTES.md entry 48). REFINE: None by that rule; True wherever the
+# tables divide (tests, benchmarks); False never.
+REFINE: bool | None = None
+REFINE_BLOCK = 64
+REFINE_MAX_COST = 0.95
+
+
+def refined(blocks: BlockTensors, q, k, v, score_lowered, mask_lowered, scale: float,
+            opts: KernelOptions) -> BlockTensors:
+    """The tables the forward kernel reads: ``blocks`` or the same mask over finer blocks (see
+    REFINE). Cheap once decided: the finer tables live with the mask."""
+    if REFINE is False or blocks.refine is None or opts.BLOCK_M or opts.BLOCK_N:
+        return blocks
+    sparse_q, sparse_kv = blocks.sparse_block
+    fine = REFINE_BLOCK
+    if sparse_q % fine or sparse_kv % fine or (sparse_q == fine and sparse_kv == fine):
+        return blocks
+    if REFINE is None:
+        rows = math.ceil(q.shape[2] / sparse_q)
+        stats = blocks.stats(rows)
+        if stats is None or stats[3] == 0:  # unknown yet (graph capture), or no partial block
+            return blocks
+        # At best a partial block keeps one partial sub-block of its r: the saving's bound.
+        r = (sparse_q // fine) * (sparse_kv // fine)
+        if (stats[2] * r - stats[3] * (5 * r - 5)) > REFINE_MAX_COST * stats[2] * r:
+            return blocks
+        if hopper.applies_masked(q, k, v, score_lowered, blocks, False, scale, opts):
+            return blocks
+    found = blocks.refine(mask_lowered.captured, not capturing())
+    if found is None:
+        return blocks
+    fine_blocks, ratio = found
+    return fine_blocks if REFINE or ratio <= REFINE_MAX_COST else blocks
+
+
 def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,
             opts: KernelOptions):
     """Run the forward kernel.
@@ -426,6 +481,7 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         natural log; row_stats (2, B, Hq, L) of the same dtype: the row max of the scores in log2
         units and 1/(row sum of exp2(s - max)), which the backward recomputes probabilities from.
     """
+    blocks = refined(blocks, q, k, v, score_lowered, mask_lowered, scale, opts)
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
     key = _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps)
     if key is None:

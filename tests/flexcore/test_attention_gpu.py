@@ -229,3 +229,64 @@ def test_plans_gpu(monkeypatch, decided, shape, mod_name, learnable):
     full = call("full path", torch.Generator().manual_seed(seed))
     for name, a, b in zip(["out", "dq", "dk", "dv"], planned, full):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("shape", [GPU_SHAPES[0], GPU_SHAPES[1], GPU_SHAPES[2], _RAGGED_128],
+                         ids=lambda s: s.name)
+@pytest.mark.parametrize("mod_name", ["document", "causal", "and_or", "alibi"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_forward_finer_tables_gpu(monkeypatch, shape, mod_name, dtype):
+    # Every mask over 64x64 tables (flexcore.kernels.forward.REFINE; by default only masks whose
+    # partial blocks hide enough empty and full sub-blocks take them), ragged lengths, GQA, D=64.
+    from flexcore.kernels import forward as fwd
+
+    monkeypatch.setattr(fwd, "REFINE", True)
+    seen = []
+    real = fwd.launch
+
+    def spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
+        seen.append((constexprs["SPARSE_Q_BLOCK"], constexprs["SPARSE_KV_BLOCK"]))
+        return real(kernel, grid, args, bm, bn, meta, constexprs, **kw)
+
+    monkeypatch.setattr(fwd, "launch", spy)
+    monkeypatch.setattr(fwd, "_launcher", _pinned_launcher(fwd))
+    check_forward(shape, mod_name, dtype, seed=seed_of("finer", mod_name, shape.name, str(dtype)), device="cuda")
+    assert seen == [(64, 64)]
+
+
+def _pinned_launcher(fwd):
+    """fwd._launcher with autotuning off, so that every launch goes through fwd.launch (the spy)."""
+    real = fwd._launcher
+
+    def launcher(module, head_dim_pad, dtype, sparse, opts, *args, **kwargs):
+        import dataclasses
+        return real(module, head_dim_pad, dtype, sparse, dataclasses.replace(opts, autotune=False), *args, **kwargs)
+
+    return launcher
+
+
+def test_anchors_document_mask_takes_finer_tables_gpu():
+    # The anchors' document mask (8 documents in 4096 tokens, causal) takes the 64x64 tables by
+    # the rule, autotuned, and matches the float64 reference; at 16384 it keeps its own.
+    from bench.mods import resolve
+    from flexcore import create_block_mask, flex_attention
+    from flexcore.attention import _kv_blocks
+    from flexcore.kernels import forward as fwd
+    from flexcore.lowering import lower_mask_mod, lower_score_mod
+    from flexcore.options import KernelOptions
+    from tests.flexcore.compare import assert_matches_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("finer", "anchors"))
+    for S, expected in ((4096, True), (16384, False)):
+        mods = resolve("document(num_documents=8)", B=1, H=2, KV_HEADS=2, Q_LEN=S, KV_LEN=S, D=128,
+                       device="cuda")
+        bm = create_block_mask(mods.mask_mod, 1, None, S, S, device="cuda")
+        q = torch.randn(1, 2, S, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        blocks = _kv_blocks(bm, 1, 2)
+        chosen = fwd.refined(blocks, q, q, q, lower_score_mod(None), lower_mask_mod(bm.mask_mod),
+                             128 ** -0.5, KernelOptions())
+        assert (chosen is not blocks) is expected, S
+        if S == 4096:
+            k, v = (torch.randn_like(q) for _ in range(2))
+            out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+            assert_matches_reference(q, k, v, None, bm, out, lse, "anchors document 4096")

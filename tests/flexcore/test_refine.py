@@ -1,0 +1,193 @@
+"""Finer block tables for the forward (flexcore.blockmask.refine_block_map, forward.refined): the
+refined map against a direct classification at the finer size, the forward over them against the
+float64 reference, the rule that takes them, and their lifetime."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexcore import and_masks, create_block_mask, flex_attention
+from flexcore.blockmask import refine_block_map
+from flexcore.kernels import forward as fwd
+from tests.flexcore.cases import Shape, make_case, make_mods
+from tests.flexcore.compare import assert_matches_reference, seed_of
+
+DEVICE = "cpu"
+# 128-row mask blocks (the default), ragged lengths, GQA: the finer tables are 64x64.
+RAGGED = Shape("ragged128", B=2, Hq=4, Hkv=2, L=300, S=331, D=32, Dv=32, block=128)
+
+
+def _short_documents(lengths, device=DEVICE):
+    """A causal document mask over documents of the given lengths (cycled to cover 4096)."""
+    cycled = torch.tensor(lengths).repeat(4096 // min(lengths) // len(lengths) + 1)
+    ids = torch.repeat_interleave(torch.arange(cycled.numel()), cycled)[:4096].to(device)
+
+    def document(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    return document
+
+
+@pytest.mark.parametrize("mod_name", ["causal", "sliding_window", "prefix_lm", "document", "and_or", "stripes"])
+@pytest.mark.parametrize("block,fine", [(128, 64), ((128, 64), 64), (64, (32, 16))])
+def test_refined_map_is_the_classification_at_the_finer_size(mod_name, block, fine):
+    # prefix_lm differs per batch element (B=2 stored); stripes at a 128-wide block are 64 wide.
+    shape = Shape("r", B=2, Hq=3, Hkv=3, L=300, S=331, D=32, Dv=32, block=block)
+    gen = torch.Generator().manual_seed(seed_of("refine", mod_name, str(block)))
+    _, mask_mod = make_mods(mod_name, shape, DEVICE, gen)
+    bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=DEVICE, BLOCK_SIZE=block)
+    direct = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=DEVICE, BLOCK_SIZE=fine)
+    refined = refine_block_map(bm, fine if isinstance(fine, tuple) else (fine, fine))
+    assert refined.dtype == torch.int8
+    assert torch.equal(refined, direct.block_map())
+
+
+def test_refined_map_gives_up_where_it_cannot_evaluate():
+    bm = create_block_mask(lambda b, h, q, kv: q >= kv, 2, None, 256, 256, device=DEVICE)
+    assert refine_block_map(bm, (64, 64), max_elements=128 * 128) is None  # two partial blocks
+    assert refine_block_map(bm[0], (64, 64)) is None  # a sliced mask's placeholder mod raises
+    with pytest.raises(ValueError, match="must divide"):
+        refine_block_map(bm, (48, 64))
+
+
+def _sparse_spy(monkeypatch) -> list:
+    """(SPARSE_Q_BLOCK, SPARSE_KV_BLOCK) of each forward launch."""
+    seen = []
+    real = fwd.launch
+
+    def spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
+        seen.append((constexprs["SPARSE_Q_BLOCK"], constexprs["SPARSE_KV_BLOCK"]))
+        return real(kernel, grid, args, bm, bn, meta, constexprs, **kw)
+
+    monkeypatch.setattr(fwd, "launch", spy)
+    return seen
+
+
+@pytest.mark.parametrize("mod_name", ["causal", "document", "prefix_lm", "and_or", "alibi", "relative_table"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_forward_over_finer_tables_matches_reference(monkeypatch, mod_name, dtype):
+    monkeypatch.setattr(fwd, "REFINE", True)
+    seen = _sparse_spy(monkeypatch)
+    q, k, v, score_mod, bm = make_case(RAGGED, mod_name, dtype, seed_of("refined", mod_name, str(dtype)), DEVICE)
+    if bm is None:  # relative_table has no mask_mod: a causal one over it
+        bm = create_block_mask(lambda b, h, i, j: i + 31 >= j, None, None, RAGGED.L, RAGGED.S, device=DEVICE)
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, return_lse=True)
+    assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"refined/{mod_name}/{dtype}")
+    assert seen == [(64, 64)]
+
+
+def test_the_rule_takes_finer_tables_where_they_save_work(monkeypatch):
+    from flexcore.attention import _kv_blocks
+    from flexcore.options import KernelOptions
+
+    seen = _sparse_spy(monkeypatch)
+    gen = torch.Generator().manual_seed(seed_of("refine", "rule"))
+    q, k, v = (torch.randn(1, 2, 1024, 32, generator=gen) for _ in range(3))
+    # Documents of 100-300 tokens: most 128-blocks straddle a boundary (finer cost ~0.6).
+    documents = _short_documents([100, 300, 180, 250, 140])
+    bm = create_block_mask(documents, None, None, 1024, 1024, device=DEVICE)
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert_matches_reference(q, k, v, None, bm, out, lse, "rule/documents")
+    assert seen == [(64, 64)]
+    blocks = _kv_blocks(bm, 1, 2)
+    assert fwd.refined(blocks, q, k, v, _identity(), _lowered(documents), 0.1, KernelOptions()) is not blocks
+    # Kernel options that pin a tile keep the mask's own tables.
+    assert fwd.refined(blocks, q, k, v, _identity(), _lowered(documents), 0.1, KernelOptions(BLOCK_M=64)) is blocks
+    # A causal mask's finer tables save only the diagonal's empty quarters: at 4096 (2%) they are
+    # evaluated and left; at 8192 the bound on the saving (a partial block keeps at least one
+    # partial sub-block) skips them without evaluating the mask. Documents are taken.
+    calls = []
+    real = attention_module()._finer_tables
+    monkeypatch.setattr("flexcore.attention._finer_tables", lambda *a: calls.append(a[0]) or real(*a))
+    causal = lambda b, h, i, j: i >= j  # noqa: E731
+    for name, mask_mod, S, evaluated, taken in (("causal", causal, 4096, True, False),
+                                                ("causal", causal, 8192, False, False),
+                                                ("documents", documents, 4096, True, True)):
+        calls.clear()
+        long_q = torch.empty(1, 2, S, 32)
+        bm = create_block_mask(mask_mod, None, None, S, S, device=DEVICE)
+        blocks = _kv_blocks(bm, 1, 2)
+        chosen = fwd.refined(blocks, long_q, long_q, long_q, _identity(), _lowered(mask_mod), 0.1,
+                             KernelOptions())
+        assert len(calls) == evaluated, (name, S)
+        assert (chosen is not blocks) == taken, (name, S)
+
+
+def attention_module():
+    import flexcore.attention
+
+    return flexcore.attention
+
+
+def _identity():
+    from flexcore.lowering import lower_score_mod
+
+    return lower_score_mod(None)
+
+
+def _lowered(mask_mod):
+    from flexcore.lowering import lower_mask_mod
+
+    return lower_mask_mod(mask_mod)
+
+
+def test_finer_tables_follow_the_captured_tensors(monkeypatch, decided):
+    # The finer tables hold for the mask_mod's captured tensors as they were: modified in place,
+    # they are computed again (and the per-call plan with them). Here the mask's own 128-blocks
+    # stay right for the new limit; its finer ones do not (keys 160-191 of the last 64 queries).
+    monkeypatch.setattr(fwd, "REFINE", True)
+    limit = torch.tensor([200])
+
+    def below_limit(b, h, q_idx, kv_idx):
+        return kv_idx < limit[0]
+
+    mask_mod = and_masks(lambda b, h, i, j: i >= j, below_limit)
+    bm = create_block_mask(mask_mod, None, None, 256, 256, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed_of("refine", "captured"))
+    q, k, v = (torch.randn(1, 2, 256, 32, generator=gen) for _ in range(3))
+    for step, value in enumerate([200, 200, 160]):
+        if value != int(limit):
+            limit.fill_(value)
+        out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+        assert_matches_reference(q, k, v, None, bm, out, lse, f"limit {value}")
+    assert decided["forward"] == 2  # the repeated call ran its plan; the modified tensor decided anew
+
+
+def test_finer_tables_inside_a_graph_capture(monkeypatch):
+    # A capture cannot read back: it gets the finer tables only where a call outside computed them.
+    from flexcore.attention import _kv_blocks
+
+    bm = create_block_mask(_short_documents([100, 300, 180]), None, None, 512, 512, device=DEVICE)
+    blocks = _kv_blocks(bm, 1, 2)
+    captured = _lowered(bm.mask_mod).captured
+    assert blocks.refine(captured, False) is None
+    fine, ratio = blocks.refine(captured, True)
+    assert fine.sparse_block == (64, 64) and ratio < 0.9
+    assert blocks.refine(captured, False)[0] is fine
+    assert fine.num_blocks.shape == (1, 2, 8)
+
+
+def test_finer_tables_leave_with_their_mask():
+    import gc
+    import weakref
+
+    from flexcore.attention import _kv_blocks
+
+    bm = create_block_mask(_short_documents([100, 300, 180]), None, None, 512, 512, device=DEVICE)
+    blocks = _kv_blocks(bm, 1, 2)
+    fine, _ = blocks.refine(_lowered(bm.mask_mod).captured, True)
+    tables = weakref.ref(fine.indices)
+    del bm, blocks, fine
+    gc.collect()
+    assert tables() is None
+
+
+@pytest.mark.parametrize("mod_name", ["document", "sliding_window"])
+def test_finer_tables_with_longest_first_order(monkeypatch, mod_name):
+    # The finer tables' rows ordered longest first (only rows of 8+ blocks take it by default).
+    monkeypatch.setattr(fwd, "REFINE", True)
+    monkeypatch.setattr(fwd, "SCHEDULE_MIN_BLOCKS", 0.0)
+    monkeypatch.setattr(fwd, "SCHEDULE_GROUP", 2)
+    q, k, v, score_mod, bm = make_case(RAGGED, mod_name, torch.float32, seed_of("refined", "order", mod_name), DEVICE)
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, return_lse=True)
+    assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"refined/order/{mod_name}")
