@@ -91,9 +91,9 @@ def _kv_blocks(block_mask, B, Hq):
 
 
 def _refine_kv(mask_ref, B, Hq, captured, compute: bool):
-    """``BlockTensors.refine`` of a mask's key-block tables (flexcore.kernels.forward.refined): the
-    tables over REFINE_BLOCK-sized blocks, expanded to (B, Hq, ...), and their cost relative to the
-    mask's own; None where the mask has none (see flexcore.blockmask.refine_block_map). Kept with
+    """``BlockTensors.refine`` of a mask's key-block tables (flexcore.kernels.forward.finer_tables):
+    the tables over REFINE_BLOCK-sized blocks and their transpose, expanded to (B, Hq, ...), and
+    their cost relative to the mask's own; None where the mask has none (see flexcore.blockmask.refine_block_map). Kept with
     the mask while the mask_mod's captured tensors are unmodified (their version counters); with
     ``compute`` False only a kept answer is given (inside a CUDA graph capture)."""
     block_mask = mask_ref()
@@ -109,7 +109,7 @@ def _refine_kv(mask_ref, B, Hq, captured, compute: bool):
 
 
 def _finer_tables(block_mask, B, Hq):
-    from flexcore.blockmask import FULL, PARTIAL, refine_block_map, tables_from_block_map
+    from flexcore.blockmask import FULL, PARTIAL, _transposed_tables, refine_block_map, tables_from_block_map
     from flexcore.kernels.forward import REFINE_BLOCK, BlockTensors
 
     size = (REFINE_BLOCK, REFINE_BLOCK)
@@ -123,8 +123,11 @@ def _finer_tables(block_mask, B, Hq):
         coarse = coarse + block_mask.full_kv_num_blocks.sum(dtype=torch.int64) * 4
     cost = (fine == PARTIAL).sum(dtype=torch.int64) * 5 + (fine == FULL).sum(dtype=torch.int64) * 4
     coarse, cost = torch.stack([coarse * per_block, cost]).tolist()  # one read-back per mask
-    tables = tables_from_block_map(fine)
-    return BlockTensors.expanded(*tables, size, B, Hq), (cost / coarse if coarse else 1.0)
+    transposed = _transposed_tables(fine, True)
+    return (BlockTensors.expanded(*tables_from_block_map(fine), size, B, Hq),
+            BlockTensors.expanded(transposed["q_num_blocks"], transposed["q_indices"],
+                                  transposed["full_q_num_blocks"], transposed["full_q_indices"], size, B, Hq),
+            cost / coarse if coarse else 1.0)
 
 
 def _q_blocks(block_mask, B, Hq):

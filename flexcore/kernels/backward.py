@@ -26,8 +26,8 @@ import torch
 from flexcore._runtime import capturing, use_interpreter
 from flexcore.kernels import hopper
 from flexcore.kernels.codegen import HEADER, cached_module, cap_list, fill_template, read_template
-from flexcore.kernels.forward import (BlockTensors, _check_tile, ensure_tma_allocator, fit_tile, pad_head_dim,
-                                      q_rows_descriptor, use_tma)
+from flexcore.kernels.forward import (BlockTensors, _check_tile, ensure_tma_allocator, finer_tables, fit_tile,
+                                      pad_head_dim, q_rows_descriptor, use_tma)
 from flexcore.kernels.launch import (arg_key, direct_launches, get_plan, keep_plan, launch, out_of_resources,
                                      plan_key, recording, run)
 from flexcore.options import KernelOptions
@@ -91,6 +91,12 @@ _DQ_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (64, 32, 4, 1)}
 # +1%, ALiBi + causal +1%; with the identity score_mod and a partial mask (causal, prefix, sliding
 # window, document) 1-4% slower, so those keep _DQ_CONFIGS.
 _DQ_CONFIGS_SCORE_OR_DENSE = {128: (128, 64, 8, 3)}
+# Tiles over 64x64 mask blocks (the finer tables of flexcore.kernels.forward.REFINE, or a mask built
+# with BLOCK_SIZE=64): 4 warps. Measured on an H200 (bench/NOTES.md entry 48, document masks and
+# sliding windows, forward+backward): 8 warps on 64x64 tiles ran 1.4-1.8x slower; 3 stages for
+# dK/dV and 2 for dQ within 1-5% of the best pairing everywhere.
+_FINE_DKDV_CONFIGS = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}
+_FINE_DQ_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 # Padded head dims whose backward may run as one launch (_tune_layout decides per kernel and size).
 _FUSED_HEAD_DIMS = frozenset({128})
 
@@ -190,10 +196,12 @@ def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int,
     else:
         key = _head_dim_key(head_dim_pad)
         configs = []
-        dq_table = _DQ_CONFIGS
+        dkdv_table, dq_table = _DKDV_CONFIGS, _DQ_CONFIGS
         if score_or_dense and key in _DQ_CONFIGS_SCORE_OR_DENSE:
             dq_table = _DQ_CONFIGS_SCORE_OR_DENSE
-        for table in (_DKDV_CONFIGS, dq_table):
+        if (sparse_q, sparse_kv) == (64, 64) and itemsize == 2 and key in _FINE_DKDV_CONFIGS:
+            dkdv_table, dq_table = _FINE_DKDV_CONFIGS, _FINE_DQ_CONFIGS
+        for table in (dkdv_table, dq_table):
             m, n, w, s = table[key]
             if itemsize == 4:  # float32 tiles take twice the registers and shared memory
                 m, n, s = max(16, m // 2), max(16, n // 2), max(1, s - 1)
@@ -248,6 +256,13 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         dtype), or None where that tensor does not require grad.
     """
     row_stats = row_stats.contiguous()
+    # The finer tables where the forward's rule takes them (flexcore.kernels.forward.REFINE), here
+    # also where the Gluon backward would serve the mask's own: measured on an H200 (bench/NOTES.md
+    # entry 48), the template over them beats it on document masks at 16k (+4.5%) and ties it on
+    # sliding windows (-0.5%), where the Gluon forward wins by 14%.
+    fine = finer_tables(kv_blocks, q.shape[2], mask_lowered, opts)
+    if fine is not None:
+        kv_blocks, q_blocks = fine
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
     key = _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
                     kv_blocks, q_blocks, scale, opts, caps)

@@ -39,8 +39,9 @@ class BlockTensors:
     # Schedules computed for these tables (see schedule). ``expanded`` may share one dict that
     # lives as long as the BlockMask, so that a CUDA graph that captured an order keeps it.
     _orders: dict = field(default_factory=dict, compare=False, repr=False)
-    # ``refine(captured, compute)``: the same mask's tables over finer blocks and their cost
-    # relative to these ((BlockTensors, ratio), see refined), or None; ``compute`` False answers
+    # ``refine(captured, compute)``: the same mask's tables over finer blocks, their transpose and
+    # their cost relative to these ((BlockTensors, BlockTensors, ratio), see finer_tables), or
+    # None; ``compute`` False answers
     # only what is already known (inside a CUDA graph capture). Set by flexcore.attention.
     refine: object = field(default=None, compare=False, repr=False)
 
@@ -444,32 +445,42 @@ REFINE_BLOCK = 64
 REFINE_MAX_COST = 0.95
 
 
-def refined(blocks: BlockTensors, q, k, v, score_lowered, mask_lowered, scale: float,
-            opts: KernelOptions) -> BlockTensors:
-    """The tables the forward kernel reads: ``blocks`` or the same mask over finer blocks (see
-    REFINE). Cheap once decided: the finer tables live with the mask."""
+def finer_tables(blocks: BlockTensors, q_len: int, mask_lowered, opts: KernelOptions,
+                 serves_own=None):
+    """(key-block tables, transposed tables) of the mask of ``blocks`` over REFINE_BLOCK-sized
+    blocks where REFINE takes them for a call with ``q_len`` queries, else None. ``serves_own()``:
+    whether another kernel serves the mask's own tables (then kept), asked only where the finer
+    ones would be taken. Cheap once decided: the finer tables live with the mask."""
     if REFINE is False or blocks.refine is None or opts.BLOCK_M or opts.BLOCK_N:
-        return blocks
+        return None
     sparse_q, sparse_kv = blocks.sparse_block
     fine = REFINE_BLOCK
     if sparse_q % fine or sparse_kv % fine or (sparse_q == fine and sparse_kv == fine):
-        return blocks
+        return None
     if REFINE is None:
-        rows = math.ceil(q.shape[2] / sparse_q)
-        stats = blocks.stats(rows)
+        stats = blocks.stats(math.ceil(q_len / sparse_q))
         if stats is None or stats[3] == 0:  # unknown yet (graph capture), or no partial block
-            return blocks
+            return None
         # At best a partial block keeps one partial sub-block of its r: the saving's bound.
         r = (sparse_q // fine) * (sparse_kv // fine)
         if (stats[2] * r - stats[3] * (5 * r - 5)) > REFINE_MAX_COST * stats[2] * r:
-            return blocks
-        if hopper.applies_masked(q, k, v, score_lowered, blocks, False, scale, opts):
-            return blocks
+            return None
+        if serves_own is not None and serves_own():
+            return None
     found = blocks.refine(mask_lowered.captured, not capturing())
     if found is None:
-        return blocks
-    fine_blocks, ratio = found
-    return fine_blocks if REFINE or ratio <= REFINE_MAX_COST else blocks
+        return None
+    kv_fine, q_fine, ratio = found
+    return (kv_fine, q_fine) if REFINE or ratio <= REFINE_MAX_COST else None
+
+
+def refined(blocks: BlockTensors, q, k, v, score_lowered, mask_lowered, scale: float,
+            opts: KernelOptions) -> BlockTensors:
+    """The tables the forward kernel reads: ``blocks`` or the same mask over finer blocks (see
+    REFINE); the Gluon masked kernel keeps the mask's own (flexcore.kernels.hopper)."""
+    found = finer_tables(blocks, q.shape[2], mask_lowered, opts, lambda: hopper.applies_masked(
+        q, k, v, score_lowered, blocks, False, scale, opts))
+    return blocks if found is None else found[0]
 
 
 def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,

@@ -290,3 +290,27 @@ def test_anchors_document_mask_takes_finer_tables_gpu():
             k, v = (torch.randn_like(q) for _ in range(2))
             out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
             assert_matches_reference(q, k, v, None, bm, out, lse, "anchors document 4096")
+
+
+@pytest.mark.parametrize("shape", [_RAGGED_128, GPU_SHAPES[1], GPU_SHAPES[2]], ids=lambda s: s.name)
+@pytest.mark.parametrize("mod_name,learnable", [("document", None), ("sliding_window", None),
+                                                ("alibi", None), ("causal", "alibi_slope")])
+def test_backward_finer_tables_gpu(monkeypatch, shape, mod_name, learnable):
+    # The backward over the 64x64 tables (both kinds of program, 4-warp tiles), bf16, every
+    # gradient against float64, ragged lengths, GQA, D=64 and 128.
+    from flexcore.kernels import backward as bwd
+    from flexcore.kernels import forward as fwd
+    from tests.flexcore.test_backward import check_backward
+
+    monkeypatch.setattr(fwd, "REFINE", True)
+    seen = []
+    real = bwd._tiles
+
+    def spy(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args):
+        seen.append((sparse_q, sparse_kv))
+        return real(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args)
+
+    monkeypatch.setattr(bwd, "_tiles", spy)
+    check_backward(shape, mod_name, torch.bfloat16, seed_of("finer", "bwd", mod_name, shape.name, learnable),
+                   learnable=learnable, device="cuda")
+    assert seen == [(64, 64)]

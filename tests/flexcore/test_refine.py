@@ -161,10 +161,10 @@ def test_finer_tables_inside_a_graph_capture(monkeypatch):
     blocks = _kv_blocks(bm, 1, 2)
     captured = _lowered(bm.mask_mod).captured
     assert blocks.refine(captured, False) is None
-    fine, ratio = blocks.refine(captured, True)
-    assert fine.sparse_block == (64, 64) and ratio < 0.9
+    fine, transposed, ratio = blocks.refine(captured, True)
+    assert fine.sparse_block == transposed.sparse_block == (64, 64) and ratio < 0.9
     assert blocks.refine(captured, False)[0] is fine
-    assert fine.num_blocks.shape == (1, 2, 8)
+    assert fine.num_blocks.shape == transposed.num_blocks.shape == (1, 2, 8)
 
 
 def test_finer_tables_leave_with_their_mask():
@@ -175,11 +175,11 @@ def test_finer_tables_leave_with_their_mask():
 
     bm = create_block_mask(_short_documents([100, 300, 180]), None, None, 512, 512, device=DEVICE)
     blocks = _kv_blocks(bm, 1, 2)
-    fine, _ = blocks.refine(_lowered(bm.mask_mod).captured, True)
-    tables = weakref.ref(fine.indices)
-    del bm, blocks, fine
+    fine, transposed, _ = blocks.refine(_lowered(bm.mask_mod).captured, True)
+    tables = weakref.ref(fine.indices), weakref.ref(transposed.indices)
+    del bm, blocks, fine, transposed
     gc.collect()
-    assert tables() is None
+    assert tables[0]() is None and tables[1]() is None
 
 
 @pytest.mark.parametrize("mod_name", ["document", "sliding_window"])
@@ -191,3 +191,42 @@ def test_finer_tables_with_longest_first_order(monkeypatch, mod_name):
     q, k, v, score_mod, bm = make_case(RAGGED, mod_name, torch.float32, seed_of("refined", "order", mod_name), DEVICE)
     out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, return_lse=True)
     assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"refined/order/{mod_name}")
+
+
+@pytest.mark.parametrize("mod_name,learnable", [("document", None), ("causal", None), ("and_or", None),
+                                                ("alibi", None), ("causal", "alibi_slope")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_backward_over_finer_tables_matches_reference(monkeypatch, mod_name, learnable, dtype):
+    # Both kinds of backward program read the finer tables (dQ the key-block ones, dK/dV their
+    # transpose), with the forward's; every gradient against float64.
+    from flexcore.kernels import backward as bwd
+    from tests.flexcore.test_backward import check_backward
+
+    monkeypatch.setattr(fwd, "REFINE", True)
+    seen = []
+    real = bwd._tiles
+
+    def spy(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args):
+        seen.append((sparse_q, sparse_kv))
+        return real(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args)
+
+    monkeypatch.setattr(bwd, "_tiles", spy)
+    check_backward(RAGGED, mod_name, dtype, seed_of("refined", "bwd", mod_name, learnable, str(dtype)),
+                   learnable=learnable)
+    assert seen == [(64, 64)]
+
+
+def test_backward_configurations_over_64_blocks(monkeypatch):
+    # The GPU's tiles over 64x64 blocks: 4 warps for both kinds of program (entry 48).
+    from flexcore.kernels import backward as bwd
+    from flexcore.options import KernelOptions
+
+    monkeypatch.setattr(bwd, "use_interpreter", lambda: False)
+    for head_dim in (64, 128):
+        dkdv, dq = bwd._tiles(KernelOptions(), head_dim, 2, 64, 64)
+        assert (dkdv[:2], dq[:2]) == ((64, 64), (64, 64))
+        assert (dkdv[2]["num_warps"], dq[2]["num_warps"]) == (4, 4)
+    dkdv, dq = bwd._tiles(KernelOptions(), 128, 2, 128, 128)
+    assert dkdv[2]["num_warps"] == 8  # the mask's own 128-blocks keep theirs
+    assert fwd._candidates(128, 2, False, (64, 64)) == fwd._FINE_CONFIGS[128]
+    assert fwd._candidates(128, 2, False, (128, 128)) == fwd.gpu_configs(128, 2)
