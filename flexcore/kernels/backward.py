@@ -27,7 +27,7 @@ from flexcore._runtime import capturing, use_interpreter
 from flexcore.kernels import hopper
 from flexcore.kernels.codegen import HEADER, cached_module, cap_list, fill_template, read_template
 from flexcore.kernels.forward import (BlockTensors, _check_tile, ensure_tma_allocator, finer_tables, fit_tile,
-                                      pad_head_dim, q_rows_descriptor, use_tma)
+                                      pad_head_dim, q_rows_descriptor, refine_key, use_tma)
 from flexcore.kernels.launch import (arg_key, direct_launches, get_plan, keep_plan, launch, out_of_resources,
                                      plan_key, recording, run)
 from flexcore.options import KernelOptions
@@ -260,26 +260,28 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     # also where the Gluon backward would serve the mask's own: measured on an H200 (bench/NOTES.md
     # entry 48), the template over them beats it on document masks at 16k (+4.5%) and ties it on
     # sliding windows (-0.5%), where the Gluon forward wins by 14%.
-    fine = finer_tables(kv_blocks, q.shape[2], mask_lowered, opts)
-    if fine is not None:
-        kv_blocks, q_blocks = fine
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
     key = _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
                     kv_blocks, q_blocks, scale, opts, caps)
+    if key is not None:
+        plan = get_plan(key)
+        if plan is not None:  # it holds the tables that finer_tables chose (the key has what it read)
+            return plan(q, k, v, out, row_stats, grad_out, caps, score_lowered.captured,
+                        score_bwd_lowered.grad_of, opts.deterministic)
+    owners = (kv_blocks, q_blocks)
+    fine = finer_tables(kv_blocks, q.shape[2], mask_lowered, opts)
+    if fine is not None:
+        kv_blocks, q_blocks = fine
     if key is None:
         return _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered,
                          mask_lowered, kv_blocks, q_blocks, scale, opts, caps)[0]
-    plan = get_plan(key)
-    if plan is not None:
-        return plan(q, k, v, out, row_stats, grad_out, caps, score_lowered.captured,
-                    score_bwd_lowered.grad_of, opts.deterministic)
     with recording() as record:
         result, (make_plan, count) = _backward(q, k, v, out, row_stats, grad_out, score_lowered,
                                                score_bwd_lowered, mask_lowered, kv_blocks, q_blocks, scale,
                                                opts, caps)
     launches = direct_launches(record, count)
     if launches is not None:
-        keep_plan(key, make_plan(launches), (kv_blocks, q_blocks))
+        keep_plan(key, make_plan(launches), owners)
     return result
 
 
@@ -301,7 +303,7 @@ def _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
         TMA, FULL_RUNS, FULL_RUNS_MAX_HEAD_DIM, P_FROM_LSE, DENSE, frozenset(DENSE_HEAD_DIMS),
         WARP_SPEC, frozenset(WARP_SPEC_KINDS), FUSED, frozenset(_FUSED_HEAD_DIMS), EXACT_DELTA,
         hopper.HOPPER_BACKWARD, hopper.BACKWARD_MIN_MEAN_BLOCKS,
-        arg_key(caps) if caps else ())
+        arg_key(caps) if caps else (), *refine_key(mask_lowered))
 
 
 def _grad_buffers(captured, grad_of, deterministic: bool, device) -> tuple[dict, list]:

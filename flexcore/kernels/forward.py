@@ -474,12 +474,34 @@ def finer_tables(blocks: BlockTensors, q_len: int, mask_lowered, opts: KernelOpt
     return (kv_fine, q_fine) if REFINE or ratio <= REFINE_MAX_COST else None
 
 
+def refine_key(mask_lowered) -> tuple:
+    """What finer_tables reads besides a plan key's call: its settings and the mask_mod's captured
+    tensors' identities and versions (the finer tables hold for them as they were)."""
+    return (REFINE, REFINE_BLOCK, REFINE_MAX_COST, REFINE_SKEW,
+            tuple((id(t), t._version) for t in mask_lowered.captured))
+
+
+# The Gluon masked kernel keeps the mask's own tables unless their rows are skewed: the longest row
+# costs more than REFINE_SKEW times the mean (documents of very different lengths). There the
+# template over the finer tables, launched longest first (SCHEDULE_GROUP), beat it on an H200
+# (bench/NOTES.md entry 48: document masks at 16k, +9%), while on rows alike (sliding windows) the
+# Gluon kernel won by 14%.
+REFINE_SKEW = 2.0
+
+
 def refined(blocks: BlockTensors, q, k, v, score_lowered, mask_lowered, scale: float,
             opts: KernelOptions) -> BlockTensors:
     """The tables the forward kernel reads: ``blocks`` or the same mask over finer blocks (see
-    REFINE); the Gluon masked kernel keeps the mask's own (flexcore.kernels.hopper)."""
-    found = finer_tables(blocks, q.shape[2], mask_lowered, opts, lambda: hopper.applies_masked(
-        q, k, v, score_lowered, blocks, False, scale, opts))
+    REFINE and REFINE_SKEW)."""
+    def serves_own():
+        if not hopper.applies_masked(q, k, v, score_lowered, blocks, False, scale, opts):
+            return False
+        rows = math.ceil(q.shape[2] / blocks.sparse_block[0])
+        stats = blocks.stats(rows)
+        entries = blocks.num_blocks[..., :rows].numel()
+        return stats is None or stats[1] * entries <= REFINE_SKEW * stats[2]
+
+    found = finer_tables(blocks, q.shape[2], mask_lowered, opts, serves_own)
     return blocks if found is None else found[0]
 
 
@@ -492,16 +514,17 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         natural log; row_stats (2, B, Hq, L) of the same dtype: the row max of the scores in log2
         units and 1/(row sum of exp2(s - max)), which the backward recomputes probabilities from.
     """
-    blocks = refined(blocks, q, k, v, score_lowered, mask_lowered, scale, opts)
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
     key = _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps)
     if key is None:
-        return _forward(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps)[0]
+        used = refined(blocks, q, k, v, score_lowered, mask_lowered, scale, opts)
+        return _forward(q, k, v, score_lowered, mask_lowered, used, scale, opts, caps)[0]
     plan = get_plan(key)
-    if plan is not None:
+    if plan is not None:  # it holds the tables that refined chose (the key has what it read)
         return plan(q, k, v, caps)
+    used = refined(blocks, q, k, v, score_lowered, mask_lowered, scale, opts)
     with recording() as record:
-        result, fixed, kv_desc = _forward(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps)
+        result, fixed, kv_desc = _forward(q, k, v, score_lowered, mask_lowered, used, scale, opts, caps)
     if fixed is None:  # a Gluon kernel served the call: a repeated call goes straight to it
         keep_plan(key, _HopperPlan(scale, kv_desc), (blocks,))
         return result
@@ -522,7 +545,7 @@ def _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps):
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
         q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, scale, opts,
         TMA, KV_ROWS, frozenset(KV_ROWS_HEAD_DIMS), DENSE, hopper.HOPPER_DENSE, hopper.HOPPER_MASKED, hopper.MASKED_MIN_MEAN_BLOCKS, WARP_SPEC, FULL_RUNS, SCHEDULE_GROUP,
-        SCHEDULE_MIN_BLOCKS, arg_key(caps) if caps else ())
+        SCHEDULE_MIN_BLOCKS, arg_key(caps) if caps else (), *refine_key(mask_lowered))
 
 
 class _ForwardPlan:

@@ -265,9 +265,10 @@ def _pinned_launcher(fwd):
     return launcher
 
 
-def test_anchors_document_mask_takes_finer_tables_gpu():
-    # The anchors' document mask (8 documents in 4096 tokens, causal) takes the 64x64 tables by
-    # the rule, autotuned, and matches the float64 reference; at 16384 it keeps its own.
+def test_anchors_masks_take_finer_tables_by_the_rule_gpu():
+    # The anchors' document mask (8 documents, causal) takes the 64x64 tables at 4096 (where the
+    # template serves it) and at 16384 (where the Gluon kernel would, but its rows are skewed); the
+    # sliding window keeps its own at 16384 (the Gluon kernel, rows alike). Results against float64.
     from bench.mods import resolve
     from flexcore import create_block_mask, flex_attention
     from flexcore.attention import _kv_blocks
@@ -277,19 +278,20 @@ def test_anchors_document_mask_takes_finer_tables_gpu():
     from tests.flexcore.compare import assert_matches_reference
 
     gen = torch.Generator(device="cuda").manual_seed(seed_of("finer", "anchors"))
-    for S, expected in ((4096, True), (16384, False)):
-        mods = resolve("document(num_documents=8)", B=1, H=2, KV_HEADS=2, Q_LEN=S, KV_LEN=S, D=128,
-                       device="cuda")
+    for spec, S, expected in (("document(num_documents=8)", 4096, True),
+                              ("document(num_documents=8)", 16384, True),
+                              ("sliding_window(window_size=1024)", 16384, False)):
+        mods = resolve(spec, B=1, H=2, KV_HEADS=2, Q_LEN=S, KV_LEN=S, D=128, device="cuda")
         bm = create_block_mask(mods.mask_mod, 1, None, S, S, device="cuda")
-        q = torch.randn(1, 2, S, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        q, k, v = (torch.randn(1, 2, S, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+                   for _ in range(3))
         blocks = _kv_blocks(bm, 1, 2)
-        chosen = fwd.refined(blocks, q, q, q, lower_score_mod(None), lower_mask_mod(bm.mask_mod),
+        chosen = fwd.refined(blocks, q, k, v, lower_score_mod(None), lower_mask_mod(bm.mask_mod),
                              128 ** -0.5, KernelOptions())
-        assert (chosen is not blocks) is expected, S
+        assert (chosen is not blocks) is expected, (spec, S)
         if S == 4096:
-            k, v = (torch.randn_like(q) for _ in range(2))
             out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
-            assert_matches_reference(q, k, v, None, bm, out, lse, "anchors document 4096")
+            assert_matches_reference(q, k, v, None, bm, out, lse, f"{spec} {S}")
 
 
 @pytest.mark.parametrize("shape", [_RAGGED_128, GPU_SHAPES[1], GPU_SHAPES[2]], ids=lambda s: s.name)
