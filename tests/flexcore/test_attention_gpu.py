@@ -300,19 +300,10 @@ def test_anchors_masks_take_finer_tables_by_the_rule_gpu():
 def test_backward_finer_tables_gpu(monkeypatch, shape, mod_name, learnable):
     # The backward over the 64x64 tables (both kinds of program, 4-warp tiles), bf16, every
     # gradient against float64, ragged lengths, GQA, D=64 and 128.
-    from flexcore.kernels import backward as bwd
-    from flexcore.kernels import forward as fwd
     from tests.flexcore.test_backward import check_backward
+    from tests.flexcore.test_refine import backward_tables_spy
 
-    monkeypatch.setattr(fwd, "REFINE", True)
-    seen = []
-    real = bwd._tiles
-
-    def spy(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args):
-        seen.append((sparse_q, sparse_kv))
-        return real(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args)
-
-    monkeypatch.setattr(bwd, "_tiles", spy)
+    seen = backward_tables_spy(monkeypatch)
     check_backward(shape, mod_name, torch.bfloat16, seed_of("finer", "bwd", mod_name, shape.name, learnable),
                    learnable=learnable, device="cuda")
     assert seen == [(64, 64)]

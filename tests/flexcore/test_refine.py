@@ -50,6 +50,22 @@ def test_refined_map_gives_up_where_it_cannot_evaluate():
         refine_block_map(bm, (48, 64))
 
 
+def backward_tables_spy(monkeypatch) -> list:
+    """Force the finer tables; (SPARSE_Q_BLOCK, SPARSE_KV_BLOCK) of each backward's tiles."""
+    from flexcore.kernels import backward as bwd
+
+    monkeypatch.setattr(fwd, "REFINE", True)
+    seen = []
+    real = bwd._tiles
+
+    def spy(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args):
+        seen.append((sparse_q, sparse_kv))
+        return real(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args)
+
+    monkeypatch.setattr(bwd, "_tiles", spy)
+    return seen
+
+
 def _sparse_spy(monkeypatch) -> list:
     """(SPARSE_Q_BLOCK, SPARSE_KV_BLOCK) of each forward launch."""
     seen = []
@@ -199,18 +215,9 @@ def test_finer_tables_with_longest_first_order(monkeypatch, mod_name):
 def test_backward_over_finer_tables_matches_reference(monkeypatch, mod_name, learnable, dtype):
     # Both kinds of backward program read the finer tables (dQ the key-block ones, dK/dV their
     # transpose), with the forward's; every gradient against float64.
-    from flexcore.kernels import backward as bwd
     from tests.flexcore.test_backward import check_backward
 
-    monkeypatch.setattr(fwd, "REFINE", True)
-    seen = []
-    real = bwd._tiles
-
-    def spy(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args):
-        seen.append((sparse_q, sparse_kv))
-        return real(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args)
-
-    monkeypatch.setattr(bwd, "_tiles", spy)
+    seen = backward_tables_spy(monkeypatch)
     check_backward(RAGGED, mod_name, dtype, seed_of("refined", "bwd", mod_name, learnable, str(dtype)),
                    learnable=learnable)
     assert seen == [(64, 64)]
