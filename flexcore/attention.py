@@ -99,7 +99,9 @@ def _refine_kv(mask_ref, B, Hq, captured, compute: bool):
     block_mask = mask_ref()
     if block_mask is None:
         return None
-    stamp = tuple((id(t), t._version) for t in captured)
+    from flexcore.kernels.forward import versions
+
+    stamp = versions(captured)
     hit = _views_cache.get((id(block_mask), B, Hq, "kv_fine"))
     if hit is not None and hit[0]() is block_mask and hit[1] == stamp:
         return hit[2]
@@ -109,25 +111,24 @@ def _refine_kv(mask_ref, B, Hq, captured, compute: bool):
 
 
 def _finer_tables(block_mask, B, Hq):
-    from flexcore.blockmask import FULL, PARTIAL, _transposed_tables, refine_block_map, tables_from_block_map
+    from flexcore.blockmask import BlockMask, refine_block_map
+    from flexcore.kernels.backward import q_block_tensors
     from flexcore.kernels.forward import REFINE_BLOCK, BlockTensors
 
     size = (REFINE_BLOCK, REFINE_BLOCK)
     fine = refine_block_map(block_mask, size)
     if fine is None:
         return None
+    finer = BlockMask._from_block_map(fine, size, block_mask.seq_lengths, block_mask.mask_mod)
+    kv_fine = BlockTensors.expanded(finer.kv_num_blocks, finer.kv_indices, finer.full_kv_num_blocks,
+                                    finer.full_kv_indices, size, B, Hq)
+    own = _kv_blocks(block_mask, B, Hq)
     bq, bkv = block_mask.BLOCK_SIZE
-    per_block = (bq // REFINE_BLOCK) * (bkv // REFINE_BLOCK)
-    coarse = block_mask.kv_num_blocks.sum(dtype=torch.int64) * 5
-    if block_mask.full_kv_num_blocks is not None:
-        coarse = coarse + block_mask.full_kv_num_blocks.sum(dtype=torch.int64) * 4
-    cost = (fine == PARTIAL).sum(dtype=torch.int64) * 5 + (fine == FULL).sum(dtype=torch.int64) * 4
-    coarse, cost = torch.stack([coarse * per_block, cost]).tolist()  # one read-back per mask
-    transposed = _transposed_tables(fine, True)
-    return (BlockTensors.expanded(*tables_from_block_map(fine), size, B, Hq),
-            BlockTensors.expanded(transposed["q_num_blocks"], transposed["q_indices"],
-                                  transposed["full_q_num_blocks"], transposed["full_q_indices"], size, B, Hq),
-            cost / coarse if coarse else 1.0)
+    per_block = (bq // REFINE_BLOCK) * (bkv // REFINE_BLOCK)  # finer blocks per block of the mask
+    costs = torch.stack([own.row_cost(own.num_blocks.shape[-1]).sum() * per_block,
+                         kv_fine.row_cost(kv_fine.num_blocks.shape[-1]).sum()])
+    coarse, cost = costs.tolist()  # one read-back per mask
+    return kv_fine, q_block_tensors(finer, B, Hq), (cost / coarse if coarse else 1.0)
 
 
 def _q_blocks(block_mask, B, Hq):

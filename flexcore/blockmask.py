@@ -1002,8 +1002,3 @@ def refine_block_map(block_mask: BlockMask, block_size: tuple[int, int],
             fine.index_put_(where, state[inside].to(torch.int8))
     return fine
 
-
-def tables_from_block_map(block_map: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices) of a block map (B, H, R, C)
-    (0 empty, 1 partial, 2 full), as :meth:`BlockMask.from_block_map` lists them."""
-    return (*_ordered_from_map(block_map, PARTIAL), *_ordered_from_map(block_map, FULL))

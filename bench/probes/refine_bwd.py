@@ -7,7 +7,8 @@ import triton
 
 from bench.mods import resolve
 from flexcore import create_block_mask, flex_attention
-from flexcore.blockmask import _transposed_tables, refine_block_map
+from flexcore.blockmask import BlockMask, refine_block_map
+from flexcore.kernels.backward import q_block_tensors
 from flexcore.kernels import backward as bwd
 from flexcore.kernels.forward import BlockTensors
 from flexcore.kernels.launch import clear_plans
@@ -38,11 +39,10 @@ for D, spec, (B, S) in [(D, spec, bs) for D in DIMS for spec in SPECS for bs in 
     mods = resolve(spec, B=B, H=H, KV_HEADS=H, Q_LEN=S, KV_LEN=S, D=D, device="cuda")
     bm = create_block_mask(mods.mask_mod, B, None, S, S, device="cuda")
     fine = refine_block_map(bm, (64, 64))
-    from flexcore.blockmask import tables_from_block_map
-    kv_fine = BlockTensors.expanded(*tables_from_block_map(fine), (64, 64), B, H)
-    t = _transposed_tables(fine, True)
-    q_fine = BlockTensors.expanded(t["q_num_blocks"], t["q_indices"], t["full_q_num_blocks"],
-                                   t["full_q_indices"], (64, 64), B, H)
+    finer = BlockMask._from_block_map(fine, (64, 64), (S, S), bm.mask_mod)
+    kv_fine = BlockTensors.expanded(finer.kv_num_blocks, finer.kv_indices, finer.full_kv_num_blocks,
+                                    finer.full_kv_indices, (64, 64), B, H)
+    q_fine = q_block_tensors(finer, B, H)
     q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     dout = torch.randn_like(q)
 

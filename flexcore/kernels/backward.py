@@ -256,10 +256,6 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         dtype), or None where that tensor does not require grad.
     """
     row_stats = row_stats.contiguous()
-    # The finer tables where the forward's rule takes them (flexcore.kernels.forward.REFINE), here
-    # also where the Gluon backward would serve the mask's own: measured on an H200 (bench/NOTES.md
-    # entry 48), the template over them beats it on document masks at 16k (+4.5%) and ties it on
-    # sliding windows (-0.5%), where the Gluon forward wins by 14%.
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
     key = _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
                     kv_blocks, q_blocks, scale, opts, caps)
@@ -269,6 +265,10 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
             return plan(q, k, v, out, row_stats, grad_out, caps, score_lowered.captured,
                         score_bwd_lowered.grad_of, opts.deterministic)
     owners = (kv_blocks, q_blocks)
+    # The finer tables where the forward's rule takes them (flexcore.kernels.forward.REFINE), here
+    # also where the Gluon backward would serve the mask's own: measured on an H200 (bench/NOTES.md
+    # entry 48), the template over them beats it on document masks at 16k (+4.5%) and ties it on
+    # sliding windows (-0.5%), where the Gluon forward wins by 14%.
     fine = finer_tables(kv_blocks, q.shape[2], mask_lowered, opts)
     if fine is not None:
         kv_blocks, q_blocks = fine

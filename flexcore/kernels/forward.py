@@ -474,11 +474,16 @@ def finer_tables(blocks: BlockTensors, q_len: int, mask_lowered, opts: KernelOpt
     return (kv_fine, q_fine) if REFINE or ratio <= REFINE_MAX_COST else None
 
 
+def versions(tensors) -> tuple:
+    """The identities and version counters of ``tensors``: equal while none is replaced or
+    modified in place (the finer tables hold for a mask_mod's captured tensors as they were)."""
+    return tuple((id(t), t._version) for t in tensors)
+
+
 def refine_key(mask_lowered) -> tuple:
-    """What finer_tables reads besides a plan key's call: its settings and the mask_mod's captured
-    tensors' identities and versions (the finer tables hold for them as they were)."""
-    return (REFINE, REFINE_BLOCK, REFINE_MAX_COST, REFINE_SKEW,
-            tuple((id(t), t._version) for t in mask_lowered.captured))
+    """What finer_tables reads besides a plan key's call: its settings and the versions of the
+    mask_mod's captured tensors."""
+    return (REFINE, REFINE_BLOCK, REFINE_MAX_COST, REFINE_SKEW, versions(mask_lowered.captured))
 
 
 # The Gluon masked kernel keeps the mask's own tables unless their rows are skewed: the longest row

@@ -239,16 +239,10 @@ def test_forward_finer_tables_gpu(monkeypatch, shape, mod_name, dtype):
     # Every mask over 64x64 tables (flexcore.kernels.forward.REFINE; by default only masks whose
     # partial blocks hide enough empty and full sub-blocks take them), ragged lengths, GQA, D=64.
     from flexcore.kernels import forward as fwd
+    from tests.flexcore.test_refine import forward_tables_spy
 
     monkeypatch.setattr(fwd, "REFINE", True)
-    seen = []
-    real = fwd.launch
-
-    def spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
-        seen.append((constexprs["SPARSE_Q_BLOCK"], constexprs["SPARSE_KV_BLOCK"]))
-        return real(kernel, grid, args, bm, bn, meta, constexprs, **kw)
-
-    monkeypatch.setattr(fwd, "launch", spy)
+    seen = forward_tables_spy(monkeypatch)
     monkeypatch.setattr(fwd, "_launcher", _pinned_launcher(fwd))
     check_forward(shape, mod_name, dtype, seed=seed_of("finer", mod_name, shape.name, str(dtype)), device="cuda")
     assert seen == [(64, 64)]

@@ -66,7 +66,7 @@ def backward_tables_spy(monkeypatch) -> list:
     return seen
 
 
-def _sparse_spy(monkeypatch) -> list:
+def forward_tables_spy(monkeypatch) -> list:
     """(SPARSE_Q_BLOCK, SPARSE_KV_BLOCK) of each forward launch."""
     seen = []
     real = fwd.launch
@@ -83,7 +83,7 @@ def _sparse_spy(monkeypatch) -> list:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_forward_over_finer_tables_matches_reference(monkeypatch, mod_name, dtype):
     monkeypatch.setattr(fwd, "REFINE", True)
-    seen = _sparse_spy(monkeypatch)
+    seen = forward_tables_spy(monkeypatch)
     q, k, v, score_mod, bm = make_case(RAGGED, mod_name, dtype, seed_of("refined", mod_name, str(dtype)), DEVICE)
     if bm is None:  # relative_table has no mask_mod: a causal one over it
         bm = create_block_mask(lambda b, h, i, j: i + 31 >= j, None, None, RAGGED.L, RAGGED.S, device=DEVICE)
@@ -96,7 +96,7 @@ def test_the_rule_takes_finer_tables_where_they_save_work(monkeypatch):
     from flexcore.attention import _kv_blocks
     from flexcore.options import KernelOptions
 
-    seen = _sparse_spy(monkeypatch)
+    seen = forward_tables_spy(monkeypatch)
     gen = torch.Generator().manual_seed(seed_of("refine", "rule"))
     q, k, v = (torch.randn(1, 2, 1024, 32, generator=gen) for _ in range(3))
     # Documents of 100-300 tokens: most 128-blocks straddle a boundary (finer cost ~0.6).
