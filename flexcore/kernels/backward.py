@@ -268,8 +268,9 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
     # The finer tables where the forward's rule takes them (flexcore.kernels.forward.REFINE), here
     # also where the Gluon backward would serve the mask's own: measured on an H200 (bench/NOTES.md
     # entry 48), the template over them beats it on document masks at 16k (+4.5%) and ties it on
-    # sliding windows (-0.5%), where the Gluon forward wins by 14%.
-    fine = finer_tables(kv_blocks, q.shape[2], mask_lowered, opts)
+    # sliding windows (-0.5%), where the Gluon forward wins by 14%. Forced (HOPPER_BACKWARD True),
+    # the Gluon backward reads the mask's own tables.
+    fine = finer_tables(kv_blocks, q.shape[2], mask_lowered, opts, lambda: hopper.HOPPER_BACKWARD is True)
     if fine is not None:
         kv_blocks, q_blocks = fine
     if key is None:

@@ -501,6 +501,8 @@ def refined(blocks: BlockTensors, q, k, v, score_lowered, mask_lowered, scale: f
     def serves_own():
         if not hopper.applies_masked(q, k, v, score_lowered, blocks, False, scale, opts):
             return False
+        if hopper.HOPPER_MASKED:  # forced (tests, probes): the Gluon kernel reads the mask's own tables
+            return True
         rows = math.ceil(q.shape[2] / blocks.sparse_block[0])
         stats = blocks.stats(rows)
         entries = blocks.num_blocks[..., :rows].numel()
@@ -549,7 +551,8 @@ def _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps):
         bool(score_lowered.captured), id(blocks), q.device, q.dtype, k.dtype, v.dtype,
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
         q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, scale, opts,
-        TMA, KV_ROWS, frozenset(KV_ROWS_HEAD_DIMS), DENSE, hopper.HOPPER_DENSE, hopper.HOPPER_MASKED, hopper.MASKED_MIN_MEAN_BLOCKS, WARP_SPEC, FULL_RUNS, SCHEDULE_GROUP,
+        TMA, KV_ROWS, frozenset(KV_ROWS_HEAD_DIMS), DENSE, hopper.HOPPER_DENSE, tuple(hopper.DENSE_TILES.items()),
+        hopper.HOPPER_MASKED, hopper.MASKED_MIN_MEAN_BLOCKS, WARP_SPEC, FULL_RUNS, SCHEDULE_GROUP,
         SCHEDULE_MIN_BLOCKS, arg_key(caps) if caps else (), *refine_key(mask_lowered))
 
 

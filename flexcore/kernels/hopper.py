@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import NamedTuple
 
 import torch
 
@@ -47,12 +48,27 @@ HOPPER_MASKED: bool | None = None
 # program of the Gluon kernel sets up barriers, partitions and registers, which rows of a few
 # blocks feel (document masks at 4k: 0.93x torch flex against the template's 1.12x; NOTES entry 41).
 MASKED_MIN_MEAN_BLOCKS = 8.0
-HEAD_DIMS = frozenset({128})
-BLOCK_M = 128  # query rows per program: two warpgroups of 64
+HEAD_DIMS = frozenset({128})  # the masked forward and the backward
+BLOCK_M = 128  # query rows per program of the masked forward: two warpgroups of 64
 BLOCK_N = 128  # keys per tile
 NUM_STAGES = 3  # K and V slots: 3 x 2 x 32 KB + Q 32 KB at head dim 128
 WG_REGS = 240  # registers per thread of the second compute warpgroup; the loader gets 24
 MAX_REGS = 168  # the kernel's launch limit: 12 warps x 32 x 168 fit the register file
+
+
+class DenseTiles(NamedTuple):
+    """The dense forward's shape at one head dim: compute warpgroups of 64 query rows each (a
+    program covers num_wg * 64 rows), K/V slots, the worker warpgroups' registers and the launch
+    limit (the default warpgroup gets what the others leave)."""
+    num_wg: int
+    stages: int
+    wg_regs: int
+    max_regs: int
+
+
+# Head dim 64: FlashAttention-3's 192-row tile, three compute warpgroups (16 warps x 32 x 128 at
+# launch; the compute warpgroups run at 168, 160 and 160 registers, the loader's at 24).
+DENSE_TILES = {128: DenseTiles(2, NUM_STAGES, WG_REGS, MAX_REGS), 64: DenseTiles(3, 4, 160, 128)}
 _LOG2E = 1.4426950408889634
 
 
@@ -90,12 +106,12 @@ def _rows(t: torch.Tensor) -> tuple[int, int, int] | None:
     return rows, rb, rh
 
 
-def _common(q, k, v, score_lowered, scale: float, opts) -> bool:
+def _common(q, k, v, score_lowered, scale: float, opts, head_dims=HEAD_DIMS) -> bool:
     """What both kernels need: see the module's docstring."""
     B, Hq, L, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
     ok = (
-        D in HEAD_DIMS and Dv == D and q.dtype in (torch.bfloat16, torch.float16)
+        D in head_dims and Dv == D and q.dtype in (torch.bfloat16, torch.float16)
         and k.dtype == q.dtype and v.dtype == q.dtype
         and score_lowered.is_trivial and not score_lowered.captured and scale > 0
         and L % BLOCK_M == 0 and S % BLOCK_N == 0 and L > 0 and S > 0
@@ -109,7 +125,8 @@ def applies(q, k, v, score_lowered, dense: bool, scale: float, opts) -> bool:
     """Whether the dense kernel serves the call (see the module's docstring)."""
     if HOPPER_DENSE is False or not dense or use_interpreter() or not q.is_cuda:
         return False
-    ok = _common(q, k, v, score_lowered, scale, opts) and ("dense", q.dtype) not in _unsupported
+    ok = (_common(q, k, v, score_lowered, scale, opts, DENSE_TILES)
+          and ("dense", q.dtype, q.shape[3]) not in _unsupported)
     if not ok and HOPPER_DENSE:
         raise RuntimeError("flexcore.kernels.hopper.HOPPER_DENSE is True but the call is not one it serves")
     return ok
@@ -236,15 +253,20 @@ def forward(q, k, v, scale: float):
     if module is None:
         return None
     # DENSE reads no tables: any pointer and stride will do.
-    return _forward(q, k, v, module, (q,) * 4 + (0,) * 12, True, False, scale, (), ("dense", q.dtype))
+    tiles = DENSE_TILES[q.shape[3]]
+    return _forward(q, k, v, module, (q,) * 4 + (0,) * 12, True, False, scale, (), ("dense", q.dtype, q.shape[3]),
+                    tiles)
 
 
-def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, scale: float, caps: tuple, key):
+def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, scale: float, caps: tuple, key,
+             tiles: DenseTiles = DenseTiles(2, NUM_STAGES, WG_REGS, MAX_REGS)):
     result, descs, strides = _prepare(q, k, v)
     B, Hq, L, D = q.shape
+    rows = tiles.num_wg * (BLOCK_M // 2)
     launch = functools.partial(
-        module.flex_hopper_fwd[(L // BLOCK_M, B * Hq)], *descs, *table_args, *strides, *_sizes(q, k, scale),
-        *caps, dense, has_full, BLOCK_M // 2, BLOCK_N, D, NUM_STAGES, WG_REGS, num_warps=4, maxnreg=MAX_REGS)
+        module.flex_hopper_fwd[(-(-L // rows), B * Hq)], *descs, *table_args, *strides,
+        *_sizes(q, k, scale), *caps, dense, has_full, BLOCK_M // 2, BLOCK_N, D, tiles.stages, tiles.wg_regs,
+        tiles.num_wg, num_warps=4, maxnreg=tiles.max_regs)
     return result if _launch_once(key, launch) else None
 
 

@@ -160,11 +160,19 @@ _SHAPES = [
     Shape("h_two_tiles", B=3, Hq=2, Hkv=2, L=256, S=256, D=128, Dv=128, block=128),
     Shape("h_8k", B=1, Hq=2, Hkv=2, L=8192, S=8192, D=128, Dv=128, block=128),
 ]
+# Head dim 64 runs 192-row programs (DENSE_TILES): the last program of a 4096-row sequence keeps one
+# warpgroup of three (21 x 192 + 64 rows), of 1280 rows two, of 128 rows one; 384 rows divide.
+_SHAPES_64 = [
+    Shape("h64_4k", B=1, Hq=4, Hkv=4, L=4096, S=4096, D=64, Dv=64, block=128),
+    Shape("h64_gqa_cross", B=2, Hq=4, Hkv=2, L=1280, S=768, D=64, Dv=64, block=128),
+    Shape("h64_one_tile", B=1, Hq=2, Hkv=1, L=128, S=128, D=64, Dv=64, block=128),
+    Shape("h64_two_programs", B=3, Hq=2, Hkv=2, L=384, S=256, D=64, Dv=64, block=128),
+]
 
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("shape", _SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("shape", _SHAPES + _SHAPES_64, ids=lambda s: s.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("mask", ["none", "noop_mask"])
 @pytest.mark.parametrize("scale", [None, 0.3])
@@ -184,12 +192,13 @@ def test_forward_matches_reference(monkeypatch, shape, dtype, mask, scale):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("layout", ["head_slice", "padded_rows", "bshd"])
-def test_strided_layouts(monkeypatch, layout):
+@pytest.mark.parametrize("D", [64, 128])
+def test_strided_layouts(monkeypatch, layout, D):
     # Views that one (rows, D) descriptor can read take the Gluon kernel; (B, S, H, D) cannot and
     # takes the template. Both match the reference.
     calls = _spy(monkeypatch)
-    B, H, N, D = 2, 4, 1024, 128
-    gen = torch.Generator().manual_seed(seed_of("hopper-layout", layout))
+    B, H, N = 2, 4, 1024
+    gen = torch.Generator().manual_seed(seed_of("hopper-layout", layout, D))
 
     def make():
         if layout == "head_slice":
@@ -202,16 +211,16 @@ def test_strided_layouts(monkeypatch, layout):
     out, lse = flex_attention(q, k, v, return_lse=True)
     assert len(calls) == (0 if layout == "bshd" else 1)
     assert out.is_contiguous()
-    assert_matches_reference(q, k, v, None, None, out, lse, f"hopper layout {layout}")
+    assert_matches_reference(q, k, v, None, None, out, lse, f"hopper layout {layout} D={D}")
 
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("case", ["ragged", "d64", "causal", "score_mod", "fp32", "pinned"])
+@pytest.mark.parametrize("case", ["ragged", "d32", "causal", "score_mod", "fp32", "pinned"])
 def test_falls_back_to_the_template(monkeypatch, case):
     calls = _spy(monkeypatch)
     L = S = 1000 if case == "ragged" else 1024
-    D = 64 if case == "d64" else 128
+    D = 32 if case == "d32" else 128
     dtype = torch.float32 if case == "fp32" else torch.bfloat16
     gen = torch.Generator().manual_seed(seed_of("hopper-fallback", case))
     q, k, v = (torch.randn(1, 2, n, D, generator=gen).to("cuda", dtype) for n in (L, S, S))
@@ -227,7 +236,7 @@ def test_falls_back_to_the_template(monkeypatch, case):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("shape", [_SHAPES[0], _SHAPES[1], _SHAPES[2]], ids=lambda s: s.name)
+@pytest.mark.parametrize("shape", [*_SHAPES[:3], *_SHAPES_64[:2]], ids=lambda s: s.name)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gradients_through_the_gluon_forward(monkeypatch, shape, dtype):
     # The backward reads the Gluon forward's lse and row statistics.
@@ -538,6 +547,8 @@ def test_backward_is_the_templates_bit_for_bit(monkeypatch, mask):
             "sliding_window": lambda b, h, qi, ki: (ki <= qi) & (qi - ki <= 1024)}
     bm = None if mods[mask] is None else create_block_mask(mods[mask], None, None, 2048, 2048, device="cuda")
     calls = _spy_backward(monkeypatch)
+    # The template over the mask's own tables (not the finer ones its rule may take for the window).
+    monkeypatch.setattr("flexcore.kernels.forward.REFINE", False)
     monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)  # the window's rows are short at 2k
     gluon = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm), (q, k, v), go)
     monkeypatch.setattr(hopper, "HOPPER_BACKWARD", False)

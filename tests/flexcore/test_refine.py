@@ -129,6 +129,24 @@ def test_the_rule_takes_finer_tables_where_they_save_work(monkeypatch):
         assert (chosen is not blocks) == taken, (name, S)
 
 
+def test_forced_gluon_forward_keeps_the_masks_own_tables(monkeypatch):
+    # By the rule, the Gluon masked forward yields to the finer tables where rows are skewed; forced
+    # (HOPPER_MASKED True: tests and probes), it keeps the mask's own tables, which it can read.
+    from flexcore.attention import _kv_blocks
+    from flexcore.kernels import hopper
+    from flexcore.options import KernelOptions
+
+    documents = _short_documents([700, 60, 60, 60, 60, 84])  # one long document: skewed rows
+    bm = create_block_mask(documents, None, None, 1024, 1024, device=DEVICE)
+    blocks = _kv_blocks(bm, 1, 2)
+    q = torch.empty(1, 2, 1024, 32)
+    monkeypatch.setattr(hopper, "applies_masked", lambda *a: True)
+    for forced, kept in ((None, False), (True, True)):
+        monkeypatch.setattr(hopper, "HOPPER_MASKED", forced)
+        chosen = fwd.refined(blocks, q, q, q, _identity(), _lowered(documents), 0.1, KernelOptions())
+        assert (chosen is blocks) == kept, forced
+
+
 def attention_module():
     import flexcore.attention
 
