@@ -1,14 +1,15 @@
 """Hand-scheduled kernels for Hopper GPUs, written in Gluon (triton's explicit-layout dialect).
 
-The forward (the template `forward_hopper.py.tmpl`) serves head dim 128 with the identity score_mod,
-in bf16 or fp16, on an sm_90 GPU: with its DENSE constexpr set, a mask whose blocks are all full
-(no mask, ``noop_mask``); filled with the lowered mask_mod, any other mask over 128x128 blocks
-whose rows average MASKED_MIN_MEAN_BLOCKS key blocks or more. It runs FlashAttention-3's schedule,
+The forward (the template `forward_hopper.py.tmpl`) serves the identity score_mod, in bf16 or fp16,
+on an sm_90 GPU: with its DENSE constexpr set, a mask whose blocks are all full (no mask,
+``noop_mask``) at head dim 64 or 128 (DENSE_TILES); filled with the lowered mask_mod, any other mask
+over 128x128 blocks whose rows average MASKED_MIN_MEAN_BLOCKS key blocks or more, at head dim 128. It runs FlashAttention-3's schedule,
 which triton 3.6 does not produce from ``tl`` code (bench/NOTES.md entries 10, 14, 30, 40 and 41):
 
 - one loader warp brings K and V tiles (128 keys) by TMA into three slots each, with a "ready"
   and an "empty" mbarrier per slot;
-- two compute warpgroups, each a partition of its own, own 64 of the program's 128 query rows;
+- two compute warpgroups, each a partition of its own, own 64 of the program's 128 query rows (the
+  dense kernel at head dim 64: three, 192 rows, FlashAttention-3's tile there);
   each issues S(j) = Q K(j)^T and O += P(j-1) V(j-1) back to back, asynchronously, waits for
   S(j) only, and runs the softmax of S(j) while P(j-1) V(j-1) is still on the tensor cores;
 - a slot is released when both warpgroups have arrived on its "empty" barrier (count 2).
