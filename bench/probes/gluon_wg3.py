@@ -17,10 +17,10 @@ ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 H, D = 16, 64
 VARIANTS = {
     "template": None,
-    "gluon 2wg s3": hopper.DenseTiles(2, 3, 240, 168),
-    "gluon 3wg s2": hopper.DenseTiles(3, 2, 160, 128),
-    "gluon 3wg s3": hopper.DenseTiles(3, 3, 160, 128),
-    "gluon 3wg s4": hopper.DenseTiles(3, 4, 160, 128),
+    "gluon 2wg s3": hopper.GluonTiles(2, 3, 240, 168),
+    "gluon 3wg s2": hopper.GluonTiles(3, 2, 160, 128),
+    "gluon 3wg s3": hopper.GluonTiles(3, 3, 160, 128),
+    "gluon 3wg s4": hopper.GluonTiles(3, 4, 160, 128),
 }
 t_compiled = torch.compile(t_flex)
 

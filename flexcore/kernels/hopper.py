@@ -57,10 +57,10 @@ WG_REGS = 240  # registers per thread of the second compute warpgroup; the loade
 MAX_REGS = 168  # the kernel's launch limit: 12 warps x 32 x 168 fit the register file
 
 
-class DenseTiles(NamedTuple):
-    """The dense forward's shape at one head dim: compute warpgroups of 64 query rows each (a
-    program covers num_wg * 64 rows), K/V slots, the worker warpgroups' registers and the launch
-    limit (the default warpgroup gets what the others leave)."""
+class GluonTiles(NamedTuple):
+    """A Gluon forward's shape: compute warpgroups of 64 query rows each (a program covers
+    num_wg * 64 rows), K/V slots, the worker warpgroups' registers and the launch limit (the default
+    warpgroup gets what the others leave)."""
     num_wg: int
     stages: int
     wg_regs: int
@@ -69,7 +69,8 @@ class DenseTiles(NamedTuple):
 
 # Head dim 64: FlashAttention-3's 192-row tile, three compute warpgroups (16 warps x 32 x 128 at
 # launch; the compute warpgroups run at 168, 160 and 160 registers, the loader's at 24).
-DENSE_TILES = {128: DenseTiles(2, NUM_STAGES, WG_REGS, MAX_REGS), 64: DenseTiles(3, 4, 160, 128)}
+MASKED_TILES = GluonTiles(2, NUM_STAGES, WG_REGS, MAX_REGS)  # one 128-row mask block per program
+DENSE_TILES = {128: MASKED_TILES, 64: GluonTiles(3, 4, 160, 128)}
 _LOG2E = 1.4426950408889634
 
 
@@ -244,7 +245,7 @@ def _sizes(q, k, scale: float) -> tuple:
 def forward_masked(q, k, v, module, table_args: tuple, has_full: bool, scale: float, caps: tuple, key):
     """As :func:`forward`, over the mask's tables. None where the kernel fails to compile for this
     mask (the first launch of ``key``; the caller then takes the template)."""
-    return _forward(q, k, v, module, table_args, False, has_full, scale, caps, key)
+    return _forward(q, k, v, module, table_args, False, has_full, scale, caps, key, MASKED_TILES)
 
 
 def forward(q, k, v, scale: float):
@@ -254,13 +255,12 @@ def forward(q, k, v, scale: float):
     if module is None:
         return None
     # DENSE reads no tables: any pointer and stride will do.
-    tiles = DENSE_TILES[q.shape[3]]
     return _forward(q, k, v, module, (q,) * 4 + (0,) * 12, True, False, scale, (), ("dense", q.dtype, q.shape[3]),
-                    tiles)
+                    DENSE_TILES[q.shape[3]])
 
 
 def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, scale: float, caps: tuple, key,
-             tiles: DenseTiles = DenseTiles(2, NUM_STAGES, WG_REGS, MAX_REGS)):
+             tiles: GluonTiles):
     result, descs, strides = _prepare(q, k, v)
     B, Hq, L, D = q.shape
     rows = tiles.num_wg * (BLOCK_M // 2)
