@@ -102,6 +102,42 @@ def test_backward_not_used_off_the_gpu_or_when_switched_off(monkeypatch):
     assert not hopper.applies_backward(q, q, q, q, trivial, blocks, blocks, True, 0.1, opts)
 
 
+@pytest.mark.parametrize("D, dense, L, programs, num_wg", [
+    (64, True, 4096, 22, 3),  # 21 x 192 + 64 rows: the last program keeps one warpgroup of three
+    (64, True, 384, 2, 3),
+    (128, True, 4096, 32, 2),
+    (128, False, 4096, 32, 2),  # a mask: one 128-row block per program
+])
+def test_gluon_forward_grid_and_tiles(monkeypatch, D, dense, L, programs, num_wg):
+    # The host side of the Gluon forwards, on any machine: the grid covers every query row with
+    # programs of num_wg warpgroups of 64 rows (DENSE_TILES at head dim 64: FlashAttention-3's 192).
+    launched = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((grid, args, kwargs))
+
+    class Module:
+        flex_hopper_fwd = Kernel()
+
+    q = torch.zeros(2, 3, L, D, dtype=torch.bfloat16)
+    monkeypatch.setattr(hopper, "_prepare", lambda q, k, v: ("result", (None,) * 6, (0,) * 6))
+    monkeypatch.setattr(hopper, "_compiled", set())
+    monkeypatch.setattr(hopper, "_unsupported", set())
+    if dense:
+        monkeypatch.setattr(hopper, "dense_module", lambda: Module())
+        assert hopper.forward(q, q, q, 0.1) == "result"
+    else:
+        table_args = (q,) * 4 + (0,) * 12
+        assert hopper.forward_masked(q, q, q, Module(), table_args, True, 0.1, (), ("k",)) == "result"
+    [(grid, args, kwargs)] = launched
+    tiles = hopper.DENSE_TILES[D] if dense else hopper.MASKED_TILES
+    assert tiles.num_wg == num_wg
+    assert grid == (programs, 2 * 3) and (grid[0] - 1) * num_wg * 64 < L <= grid[0] * num_wg * 64
+    assert args[-5:] == (hopper.BLOCK_N, D, tiles.stages, tiles.wg_regs, num_wg)
+    assert kwargs == {"num_warps": 4, "maxnreg": tiles.max_regs}
+
+
 @pytest.mark.parametrize("mask, long", [("causal", True), ("sliding_1024", True), ("documents_256", False),
                                         ("documents_1024", False)])
 def test_backward_long_rows(mask, long):
