@@ -3,8 +3,9 @@
 The forward (the template `forward_hopper.py.tmpl`) serves the identity score_mod, in bf16 or fp16,
 on an sm_90 GPU: with its DENSE constexpr set, a mask whose blocks are all full (no mask,
 ``noop_mask``) at head dim 64 or 128 (DENSE_TILES); filled with the lowered mask_mod, any other mask
-over 128x128 blocks whose rows average MASKED_MIN_MEAN_BLOCKS key blocks or more, at head dim 128. It runs FlashAttention-3's schedule,
-which triton 3.6 does not produce from ``tl`` code (bench/NOTES.md entries 10, 14, 30, 40 and 41):
+over 128x128 blocks whose rows average MASKED_MIN_MEAN_BLOCKS key blocks or more, at head dim 128.
+It runs FlashAttention-3's schedule, which triton 3.6 does not produce from ``tl`` code
+(bench/NOTES.md entries 10, 14, 30, 40, 41 and 49):
 
 - one loader warp brings K and V tiles (128 keys) by TMA into three slots each, with a "ready"
   and an "empty" mbarrier per slot;
@@ -67,9 +68,10 @@ class GluonTiles(NamedTuple):
     max_regs: int
 
 
-# Head dim 64: FlashAttention-3's 192-row tile, three compute warpgroups (16 warps x 32 x 128 at
-# launch; the compute warpgroups run at 168, 160 and 160 registers, the loader's at 24).
 MASKED_TILES = GluonTiles(2, NUM_STAGES, WG_REGS, MAX_REGS)  # one 128-row mask block per program
+# Dense masks: at head dim 128 the masked kernel's tiles; at head dim 64 FlashAttention-3's 192-row
+# tile, three compute warpgroups (16 warps x 32 x 128 at launch; the compute warpgroups then run at
+# 168, 160 and 160 registers, the loader's at 24; bench/NOTES.md entry 49).
 DENSE_TILES = {128: MASKED_TILES, 64: GluonTiles(3, 4, 160, 128)}
 _LOG2E = 1.4426950408889634
 
