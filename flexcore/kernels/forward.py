@@ -503,6 +503,9 @@ def refined(blocks: BlockTensors, q, k, v, score_lowered, mask_lowered, scale: f
             return False
         if hopper.HOPPER_MASKED:  # forced (tests, probes): the Gluon kernel reads the mask's own tables
             return True
+        tiles = hopper.MASKED_TILES.get(q.shape[3])
+        if hopper.UNION_YIELDS and tiles is not None and tiles.num_wg == 3:  # head dim 64
+            return False
         rows = math.ceil(q.shape[2] / blocks.sparse_block[0])
         stats = blocks.stats(rows)
         entries = blocks.num_blocks[..., :rows].numel()
@@ -552,6 +555,8 @@ def _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps):
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
         q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, scale, opts,
         TMA, KV_ROWS, frozenset(KV_ROWS_HEAD_DIMS), DENSE, hopper.HOPPER_DENSE, tuple(hopper.DENSE_TILES.items()),
+        tuple(hopper.MASKED_TILES.items()), hopper.UNION_YIELDS,
+        hopper.UNION_MAX_EXCLUSIVE, hopper.UNION_MIN_MEAN_BLOCKS,
         hopper.HOPPER_MASKED, hopper.MASKED_MIN_MEAN_BLOCKS, WARP_SPEC, FULL_RUNS, SCHEDULE_GROUP,
         SCHEDULE_MIN_BLOCKS, arg_key(caps) if caps else (), *refine_key(mask_lowered))
 
@@ -616,11 +621,12 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
             return result, None, None
     elif hopper.applies_masked(q, k, v, score_lowered, blocks, dense, scale, opts):
         module = hopper.masked_module(mask_lowered)
-        if module is not None:
-            table_args, has_full = hopper.tables(blocks)
+        found = None if module is None else hopper.masked_tables(blocks, L, S, D)
+        if found is not None:
+            table_args, has_full = found
             run = functools.partial(hopper.forward_masked, module=module, table_args=table_args,
                                     has_full=has_full, scale=scale,
-                                    key=("forward_hopper.py.tmpl", mask_lowered.source))
+                                    key=("forward_hopper.py.tmpl", mask_lowered.source, D))
             result = run(q, k, v, caps=caps)
             if result is not None:
                 return result, None, run

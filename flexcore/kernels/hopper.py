@@ -1,22 +1,24 @@
 """Hand-scheduled kernels for Hopper GPUs, written in Gluon (triton's explicit-layout dialect).
 
 The forward (the template `forward_hopper.py.tmpl`) serves the identity score_mod, in bf16 or fp16,
-on an sm_90 GPU: with its DENSE constexpr set, a mask whose blocks are all full (no mask,
-``noop_mask``) at head dim 64 or 128 (DENSE_TILES); filled with the lowered mask_mod, any other mask
-over 128x128 blocks whose rows average MASKED_MIN_MEAN_BLOCKS key blocks or more, at head dim 128.
+on an sm_90 GPU, at head dim 64 or 128: with its DENSE constexpr set, a mask whose blocks are all
+full (no mask, ``noop_mask``; DENSE_TILES); filled with the lowered mask_mod, any other mask over
+128x128 blocks whose rows average MASKED_MIN_MEAN_BLOCKS key blocks or more (MASKED_TILES).
 It runs FlashAttention-3's schedule, which triton 3.6 does not produce from ``tl`` code
 (bench/NOTES.md entries 10, 14, 30, 40, 41 and 49):
 
 - one loader warp brings K and V tiles (128 keys) by TMA into three slots each, with a "ready"
   and an "empty" mbarrier per slot;
-- two compute warpgroups, each a partition of its own, own 64 of the program's 128 query rows (the
-  dense kernel at head dim 64: three, 192 rows, FlashAttention-3's tile there);
+- two compute warpgroups, each a partition of its own, own 64 of the program's 128 query rows (at
+  head dim 64: three, 192 rows, FlashAttention-3's tile there);
   each issues S(j) = Q K(j)^T and O += P(j-1) V(j-1) back to back, asynchronously, waits for
   S(j) only, and runs the softmax of S(j) while P(j-1) V(j-1) is still on the tensor cores;
 - a slot is released when both warpgroups have arrived on its "empty" barrier (count 2).
 
 Under a mask, a program walks the blocks the mask lists for its 128-row block, partial ones first
-(the mask_mod applied) and then full ones. Everything else (score_mods, other head dims and
+(the mask_mod applied) and then full ones. A 192-row program of three warpgroups spans two mask
+blocks: it walks the union of their lists (:func:`union_tables`), and each warpgroup computes the
+run of it that its own block lists (bench/NOTES.md entry 51). Everything else (score_mods, other head dims and
 dtypes, other GPUs, the interpreter, masks with short rows, mask_mods whose Gluon source does not
 build) takes the Triton template (flexcore.kernels.forward), and so does a call whose layout the
 descriptors cannot express.
@@ -50,7 +52,20 @@ HOPPER_MASKED: bool | None = None
 # program of the Gluon kernel sets up barriers, partitions and registers, which rows of a few
 # blocks feel (document masks at 4k: 0.93x torch flex against the template's 1.12x; NOTES entry 41).
 MASKED_MIN_MEAN_BLOCKS = 8.0
-HEAD_DIMS = frozenset({128})  # the masked forward and the backward
+# At head dim 64 the masked kernel yields to the Triton template over finer tables where
+# flexcore.kernels.forward.REFINE takes those (sliding windows, documents); False keeps the mask's
+# own tables for it there too, as at head dim 128 where rows are not skewed (bench/NOTES.md entry 51).
+UNION_YIELDS = True
+# Where the two mask blocks of a 192-row program list different key blocks, the warpgroups of one
+# wait while the others compute the blocks only theirs lists (the loader walks one list): masks whose
+# union lists hold more than this fraction of such tiles keep the template (document masks, sliding
+# windows; causal and prefix masks hold one per program). True for HOPPER_MASKED ignores it.
+UNION_MAX_EXCLUSIVE = 0.15
+# MASKED_MIN_MEAN_BLOCKS of the three-warpgroup kernel: at head dim 64 a tile is half the work of one
+# at 128 and a program holds 192 rows, so its setup weighs more on short rows (document masks at 16k,
+# 8.5 blocks a row: 0.64x the template; bench/NOTES.md entry 51).
+UNION_MIN_MEAN_BLOCKS = 12.0
+HEAD_DIMS = frozenset({128})  # the backward
 BLOCK_M = 128  # query rows per program of the masked forward: two warpgroups of 64
 BLOCK_N = 128  # keys per tile
 NUM_STAGES = 3  # K and V slots: 3 x 2 x 32 KB + Q 32 KB at head dim 128
@@ -68,11 +83,12 @@ class GluonTiles(NamedTuple):
     max_regs: int
 
 
-MASKED_TILES = GluonTiles(2, NUM_STAGES, WG_REGS, MAX_REGS)  # one 128-row mask block per program
-# Dense masks: at head dim 128 the masked kernel's tiles; at head dim 64 FlashAttention-3's 192-row
-# tile, three compute warpgroups (16 warps x 32 x 128 at launch; the compute warpgroups then run at
-# 168, 160 and 160 registers, the loader's at 24; bench/NOTES.md entry 49).
-DENSE_TILES = {128: MASKED_TILES, 64: GluonTiles(3, 4, 160, 128)}
+# Per head dim, dense and masked alike: at 128 two warpgroups (one 128-row mask block per program);
+# at 64 FlashAttention-3's 192-row tile, three compute warpgroups (16 warps x 32 x 128 at launch; the
+# compute warpgroups then run at 168, 160 and 160 registers, the loader's at 24; bench/NOTES.md
+# entries 49 and 51), whose programs span two mask blocks under a mask (union_tables).
+DENSE_TILES = {128: GluonTiles(2, NUM_STAGES, WG_REGS, MAX_REGS), 64: GluonTiles(3, 4, 160, 128)}
+MASKED_TILES = dict(DENSE_TILES)
 _LOG2E = 1.4426950408889634
 
 
@@ -147,9 +163,10 @@ def applies_masked(q, k, v, score_lowered, blocks, dense: bool, scale: float, op
     blocks, with the identity score_mod (the mask_mod may capture tensors)."""
     if HOPPER_MASKED is False or dense or use_interpreter() or not q.is_cuda:
         return False
-    ok = _tables_ok(blocks) and _common(q, k, v, score_lowered, scale, opts)
+    ok = _tables_ok(blocks) and _common(q, k, v, score_lowered, scale, opts, MASKED_TILES)
     if ok and not HOPPER_MASKED:
-        ok = blocks.visits_on_average(q.shape[2] // BLOCK_M, MASKED_MIN_MEAN_BLOCKS)
+        least = UNION_MIN_MEAN_BLOCKS if MASKED_TILES[q.shape[3]].num_wg == 3 else MASKED_MIN_MEAN_BLOCKS
+        ok = blocks.visits_on_average(q.shape[2] // BLOCK_M, least)
     if not ok and HOPPER_MASKED:
         raise RuntimeError("flexcore.kernels.hopper.HOPPER_MASKED is True but the call is not one it serves")
     return ok
@@ -217,11 +234,96 @@ def dense_module():
 
 
 def tables(blocks) -> tuple:
-    """The BlockMask tables and strides the masked kernel reads (a plan keeps them)."""
+    """The BlockMask tables and strides the masked kernels read (a plan keeps them)."""
     full_n, full_i = blocks.full_tables()
     return ((blocks.num_blocks, blocks.indices, full_n, full_i,
              *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
              *full_n.stride(), *full_i.stride()[:3]), blocks.full_num_blocks is not None)
+
+
+def masked_tables(blocks, q_len: int, kv_len: int, head_dim: int) -> tuple | None:
+    """(table arguments, has full blocks) of the masked forward at ``head_dim``: the mask's tables
+    for two-warpgroup programs, :func:`union_tables` for three; None where those are not known yet
+    inside a CUDA graph capture (the template then serves the call)."""
+    tiles = MASKED_TILES[head_dim]
+    if tiles.num_wg == 2:
+        return tables(blocks)
+    found = union_tables(blocks, q_len, kv_len, tiles.num_wg * BLOCK_M // 2)
+    if found is None or (found[2] > UNION_MAX_EXCLUSIVE and not HOPPER_MASKED):
+        return None
+    counts, entries, _ = found
+    return (counts, entries, counts, entries, *counts.stride()[:3], *entries.stride()[:3],
+            *counts.stride()[:3], *entries.stride()[:3]), False
+
+
+def _base(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (B, H, ...) without its broadcast batch and head dimensions (stride 0: size 1)."""
+    if t.shape[0] > 1 and t.stride(0) == 0:
+        t = t[:1]
+    if t.shape[1] > 1 and t.stride(1) == 0:
+        t = t[:, :1]
+    return t
+
+
+def union_tables(blocks, q_len: int, kv_len: int, rows: int) -> tuple | None:
+    """The lists that ``rows``-row programs (192: three warpgroups of 64) walk over the mask of
+    ``blocks`` (128x128 blocks), as (counts, entries, exclusive), the tables expanded to the
+    tables' (B, H):
+
+    - program p spans mask blocks A = 192p // 128 and B = A + 1 (a warpgroup's 64 rows lie in one
+      of them); its list holds the key blocks that only A lists, then those both list, then those
+      only B lists, each run in ascending order;
+    - counts (B, H, programs, 3) int32: (B's first tile, A's end, the list's length), so A's
+      warpgroups compute tiles [0, A's end) and B's [B's first tile, length);
+    - entries (B, H, programs, key blocks) int32: 4 * block + 1 where A lists it partial + 2 where
+      B lists it partial (the mask_mod runs on those tiles for that block's rows);
+    - exclusive: the fraction of the lists' tiles that only one of the two blocks lists, where both
+      have rows (the other block's warpgroups wait meanwhile).
+
+    Computed on the GPU with one read-back, once per mask and shape (kept with the tables'
+    schedules); None inside a CUDA graph capture until computed outside one."""
+    key = ("gluon_union", *blocks.num_blocks.shape[:2], q_len, kv_len, rows)
+    found = blocks._orders.get(key)
+    if found is not None:
+        return found
+    from flexcore._runtime import capturing
+    if capturing():
+        return None
+    B, H = blocks.num_blocks.shape[:2]
+    sparse_q, sparse_kv = blocks.sparse_block
+    n_rows = -(-q_len // sparse_q)
+    n_cols = -(-kv_len // sparse_kv)
+    listed = [(_base(blocks.num_blocks)[..., :n_rows], _base(blocks.indices)[..., :n_rows, :], 1)]
+    if blocks.full_num_blocks is not None:
+        listed.append((_base(blocks.full_num_blocks)[..., :n_rows], _base(blocks.full_indices)[..., :n_rows, :], 2))
+    device = blocks.num_blocks.device
+    base = [max(t.shape[d] for n, i, _ in listed for t in (n, i)) for d in (0, 1)]
+    # code[b, h, row, col]: 0 not listed, 1 partial, 2 full (an extra row of zeros past the last, an
+    # extra column that the unused list entries are written to)
+    code = torch.zeros((*base, n_rows + 1, n_cols + 1), dtype=torch.int8, device=device)
+    for n, i, value in listed:
+        n, i = n.expand(*base, n_rows), i.expand(*base, n_rows, i.shape[-1])
+        used = torch.arange(i.shape[-1], device=device) < n[..., None].to(torch.int64)
+        target = torch.where(used, i.to(torch.int64), n_cols)
+        code[:, :, :n_rows].scatter_(-1, target, value)
+    code = code[..., :n_cols]
+    programs = -(-q_len // rows)
+    row_a = torch.arange(programs, device=device) * rows // sparse_q
+    a, b = code[:, :, row_a], code[:, :, row_a + 1]  # (B', H', programs, n_cols)
+    in_a, in_b = a > 0, b > 0
+    run = torch.where(in_a & in_b, 1, torch.where(in_a, 0, torch.where(in_b, 2, 3)))
+    cols = torch.arange(n_cols, device=device)
+    order = torch.argsort(run * n_cols + cols, dim=-1)  # the columns in list order
+    entries = order * 4 + (a == 1).gather(-1, order) + 2 * (b == 1).gather(-1, order)
+    only_a, both, only_b = ((run == r).sum(-1) for r in range(3))
+    counts = torch.stack([only_a, only_a + both, only_a + both + only_b], dim=-1)
+    # A program whose block B lies past the end has no warpgroup there to wait: not counted.
+    waits = (only_a + only_b) * (row_a + 1 < n_rows)
+    exclusive, total = torch.stack([waits.sum(), counts[..., 2].sum()]).tolist()
+    found = (counts.to(torch.int32).expand(B, H, programs, 3),
+             entries.to(torch.int32).expand(B, H, programs, n_cols), exclusive / max(total, 1))
+    blocks._orders[key] = found
+    return found
 
 
 def _prepare(q, k, v):
@@ -245,9 +347,11 @@ def _sizes(q, k, scale: float) -> tuple:
 
 
 def forward_masked(q, k, v, module, table_args: tuple, has_full: bool, scale: float, caps: tuple, key):
-    """As :func:`forward`, over the mask's tables. None where the kernel fails to compile for this
-    mask (the first launch of ``key``; the caller then takes the template)."""
-    return _forward(q, k, v, module, table_args, False, has_full, scale, caps, key, MASKED_TILES)
+    """As :func:`forward`, over the tables of :func:`masked_tables`. None where the kernel fails to
+    compile for this mask (the first launch of ``key``; the caller then takes the template)."""
+    if key in _unsupported:
+        return None
+    return _forward(q, k, v, module, table_args, False, has_full, scale, caps, key, MASKED_TILES[q.shape[3]])
 
 
 def forward(q, k, v, scale: float):
@@ -266,10 +370,11 @@ def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, sc
     result, descs, strides = _prepare(q, k, v)
     B, Hq, L, D = q.shape
     rows = tiles.num_wg * (BLOCK_M // 2)
+    union = not dense and tiles.num_wg == 3  # programs over two mask blocks: union_tables
     launch = functools.partial(
         module.flex_hopper_fwd[(-(-L // rows), B * Hq)], *descs, *table_args, *strides,
         *_sizes(q, k, scale), *caps, dense, has_full, BLOCK_M // 2, BLOCK_N, D, tiles.stages, tiles.wg_regs,
-        tiles.num_wg, num_warps=4, maxnreg=tiles.max_regs)
+        tiles.num_wg, union, num_warps=4, maxnreg=tiles.max_regs)
     return result if _launch_once(key, launch) else None
 
 

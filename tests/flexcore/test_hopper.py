@@ -105,12 +105,14 @@ def test_backward_not_used_off_the_gpu_or_when_switched_off(monkeypatch):
 @pytest.mark.parametrize("D, dense, L, programs, num_wg", [
     (64, True, 4096, 22, 3),  # 21 x 192 + 64 rows: the last program keeps one warpgroup of three
     (64, True, 384, 2, 3),
+    (64, False, 4096, 22, 3),  # a mask: programs over two mask blocks (union_tables)
     (128, True, 4096, 32, 2),
     (128, False, 4096, 32, 2),  # a mask: one 128-row block per program
 ])
 def test_gluon_forward_grid_and_tiles(monkeypatch, D, dense, L, programs, num_wg):
     # The host side of the Gluon forwards, on any machine: the grid covers every query row with
-    # programs of num_wg warpgroups of 64 rows (DENSE_TILES at head dim 64: FlashAttention-3's 192).
+    # programs of num_wg warpgroups of 64 rows (at head dim 64: FlashAttention-3's 192), which walk
+    # union lists (UNION) where a mask's 128-row blocks do not match them.
     launched = []
 
     class Kernel:
@@ -131,11 +133,111 @@ def test_gluon_forward_grid_and_tiles(monkeypatch, D, dense, L, programs, num_wg
         table_args = (q,) * 4 + (0,) * 12
         assert hopper.forward_masked(q, q, q, Module(), table_args, True, 0.1, (), ("k",)) == "result"
     [(grid, args, kwargs)] = launched
-    tiles = hopper.DENSE_TILES[D] if dense else hopper.MASKED_TILES
+    tiles = (hopper.DENSE_TILES if dense else hopper.MASKED_TILES)[D]
     assert tiles.num_wg == num_wg
     assert grid == (programs, 2 * 3) and (grid[0] - 1) * num_wg * 64 < L <= grid[0] * num_wg * 64
-    assert args[-5:] == (hopper.BLOCK_N, D, tiles.stages, tiles.wg_regs, num_wg)
+    assert args[-6:] == (hopper.BLOCK_N, D, tiles.stages, tiles.wg_regs, num_wg, not dense and num_wg == 3)
     assert kwargs == {"num_warps": 4, "maxnreg": tiles.max_regs}
+
+
+def _union_masks(N: int) -> dict:
+    def causal(b, h, qi, ki):
+        return ki <= qi
+
+    def sliding(b, h, qi, ki):
+        return (ki <= qi) & (qi - ki <= 300)
+
+    def prefix(b, h, qi, ki):
+        return (ki <= qi) | (ki < 200 + 64 * b)
+
+    def documents(b, h, qi, ki):
+        return ((qi * 7) // 900 == (ki * 7) // 900) & (ki <= qi)
+
+    def empty_rows(b, h, qi, ki):
+        return (qi >= 300) & (ki <= qi) & ((h == 0) | (ki > 100))
+
+    def scattered(b, h, qi, ki):
+        return ((qi // 128 * 5 + ki // 128 * 3 + h) % 4 == 0) | ((qi - ki) % 13 == 0)
+
+    return dict(causal=causal, sliding=sliding, prefix=prefix, documents=documents, empty_rows=empty_rows,
+                scattered=scattered)
+
+
+@pytest.mark.parametrize("N, S", [(4096, 4096), (1280, 768), (384, 384), (128, 256)])
+@pytest.mark.parametrize("mask_name", ["causal", "sliding", "prefix", "documents", "empty_rows", "scattered"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_union_tables_give_each_warpgroup_its_blocks(mask_name, N, S, batched):
+    # The three-warpgroup masked forward (head dim 64): program p covers rows [192p, 192p + 192),
+    # whose 64-row warpgroups lie in mask blocks A = 192p // 128 and B = A + 1. Walking the union
+    # list as the kernel does (A's warpgroups tiles [0, A's end), B's [B's first, length); the
+    # entry's bit for the block says partial), each warpgroup visits exactly the blocks its mask
+    # row lists, each once, partial ones with the mask_mod and full ones without; tiles it does not
+    # compute are the others' (released in order).
+    from flexcore.kernels.forward import BlockTensors
+    B, H = 2, 3
+    bm = create_block_mask(_union_masks(N)[mask_name], B if batched else None, H, N, S, device="cpu")
+    blocks = BlockTensors.expanded(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                   bm.BLOCK_SIZE, B, H)
+    counts, entries, exclusive = hopper.union_tables(blocks, N, S, 192)
+    programs = -(-N // 192)
+    assert counts.shape == (B, H, programs, 3) and counts.dtype == torch.int32
+    assert entries.shape == (B, H, programs, -(-S // 128)) and entries.dtype == torch.int32
+    assert hopper.union_tables(blocks, N, S, 192) is not None and hopper.union_tables(blocks, N, S, 192)[0] is counts
+
+    def listed(b, h, row):
+        n, idx = int(bm.kv_num_blocks[b % bm.kv_num_blocks.shape[0], h, row]), bm.kv_indices
+        partial = set(idx[b % idx.shape[0], h, row, :n].tolist())
+        fn, fidx = bm.full_kv_num_blocks, bm.full_kv_indices
+        full = set(fidx[b % fidx.shape[0], h, row, :int(fn[b % fn.shape[0], h, row])].tolist())
+        return partial, full
+
+    walked_rows = 0
+    tiles = only_one = 0
+    for b in range(B):
+        for h in range(H):
+            for p in range(programs):
+                b_start, a_end, length = counts[b, h, p].tolist()
+                assert 0 <= b_start <= a_end <= length <= entries.shape[-1]
+                row_list = entries[b, h, p, :length].tolist()
+                tiles += length
+                if 192 * p // 128 + 1 < -(-N // 128):  # B has rows: its warpgroups wait on A's own tiles
+                    only_one += b_start + length - a_end
+                row_a = 192 * p // 128
+                for w in range(3):
+                    first = 192 * p + 64 * w
+                    if first >= N:  # past the end: releases every tile
+                        continue
+                    in_a = first // 128 == row_a
+                    lo, hi = (0, a_end) if in_a else (b_start, length)
+                    bit = 1 if in_a else 2
+                    visited = [(e >> 2, bool(e & bit)) for e in row_list[lo:hi]]
+                    blocks_seen = [blk for blk, _ in visited]
+                    assert len(set(blocks_seen)) == len(blocks_seen)
+                    partial, full = listed(b, h, first // 128)
+                    assert {blk for blk, part in visited if part} == partial
+                    assert {blk for blk, part in visited if not part} == full
+                    walked_rows += 1
+    assert walked_rows == B * H * sum(1 for r in range(0, N, 64))
+    assert exclusive == pytest.approx(only_one / max(tiles, 1))
+    if mask_name == "causal" and N == 4096:  # one tile per program, B's diagonal block (the last B is past the end)
+        assert exclusive == pytest.approx(21 / sum(min(192 * p // 128 + 2, 32) for p in range(22)))
+        assert exclusive <= hopper.UNION_MAX_EXCLUSIVE
+
+
+@pytest.mark.parametrize("mask_name, served", [("causal", True), ("prefix", True), ("documents", False)])
+def test_union_kernel_only_for_masks_whose_blocks_list_alike(monkeypatch, mask_name, served):
+    # The three-warpgroup masked forward serves masks whose two mask blocks per program list mostly
+    # the same key blocks (UNION_MAX_EXCLUSIVE); others keep the template, unless forced.
+    from flexcore.kernels.forward import BlockTensors
+    N = 4096
+    bm = create_block_mask(_union_masks(N)[mask_name], None, None, N, N, device="cpu")
+    blocks = BlockTensors.expanded(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                                   bm.BLOCK_SIZE, 2, 2)
+    assert (hopper.masked_tables(blocks, N, N, 64) is not None) == served
+    assert hopper.masked_tables(blocks, N, N, 128)[0][0] is blocks.num_blocks  # two warpgroups: own tables
+    monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
+    table_args, has_full = hopper.masked_tables(blocks, N, N, 64)
+    assert not has_full and table_args[0].shape == (2, 2, 22, 3)
 
 
 @pytest.mark.parametrize("mask, long", [("causal", True), ("sliding_1024", True), ("documents_256", False),
@@ -346,7 +448,9 @@ def _edge_mask(case: str):
     return mask
 
 
-_MASKED_SHAPES = [_SHAPES[0], _SHAPES[1], _SHAPES[2], _SHAPES[5]]
+# At head dim 64 three warpgroups over two mask blocks (union lists): 4096 rows end in a program of
+# one live warpgroup, 1280 of two (and causal rows offset by S - L), 128 of one.
+_MASKED_SHAPES = [_SHAPES[0], _SHAPES[1], _SHAPES[2], _SHAPES[5], *_SHAPES_64]
 
 
 @pytest.mark.gpu
@@ -377,7 +481,8 @@ def test_masked_forward_matches_reference(monkeypatch, shape, mod_name, dtype):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("case", ["empty_rows", "rows_masked_inside_a_block", "no_full_blocks"])
-def test_masked_rows_without_keys(monkeypatch, case):
+@pytest.mark.parametrize("D", [64, 128])
+def test_masked_rows_without_keys(monkeypatch, case, D):
     # Rows with no listed block (n_tiles 0), rows that a partial block masks entirely (m = -inf
     # until a later tile), and masks with partial blocks only: output 0 and lse -inf where nothing
     # is kept, as the template and the reference.
@@ -385,13 +490,13 @@ def test_masked_rows_without_keys(monkeypatch, case):
     calls = _spy_masked(monkeypatch)
     L = S = 1024
     mask = _edge_mask(case)
-    gen = torch.Generator().manual_seed(seed_of("hopper-empty", case))
-    q, k, v = (torch.randn(2, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
+    gen = torch.Generator().manual_seed(seed_of("hopper-empty", case, D))
+    q, k, v = (torch.randn(2, 2, n, D, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
     bm = create_block_mask(mask, None, None, L, S, device="cuda")
     out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
     if case != "no_full_blocks":  # its % lowers to a helper that Gluon may not take (then: template)
         assert calls == [True]
-    assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper masked {case}")
+    assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper masked {case} D={D}")
 
 
 @pytest.mark.gpu
@@ -423,28 +528,31 @@ def test_masked_mod_that_gluon_does_not_take_falls_back(monkeypatch):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("mod_name", ["causal", "document"])
-def test_gradients_through_the_masked_gluon_forward(monkeypatch, mod_name):
+@pytest.mark.parametrize("shape", [_SHAPES[1], _SHAPES_64[1]], ids=lambda s: s.name)
+def test_gradients_through_the_masked_gluon_forward(monkeypatch, mod_name, shape):
     monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
     calls = _spy_masked(monkeypatch)
-    check_backward(_SHAPES[1], mod_name, torch.bfloat16, seed=seed_of("hopper-masked-bwd", mod_name), device="cuda")
+    check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("hopper-masked-bwd", mod_name, shape.name),
+                   device="cuda")
     assert calls and all(calls)
 
 
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("rows_long", [True, False])
-def test_masked_kernel_only_for_long_rows_by_default(monkeypatch, rows_long):
+@pytest.mark.parametrize("D", [64, 128])
+def test_masked_kernel_only_for_long_rows_by_default(monkeypatch, rows_long, D):
     # By default the masked Gluon kernel serves masks whose rows visit MASKED_MIN_MEAN_BLOCKS key
     # blocks or more on average; shorter rows (documents of a few blocks) keep the template.
     calls = _spy_masked(monkeypatch)
     L = S = 4096
     doc = 4096 if rows_long else 256
-    gen = torch.Generator().manual_seed(seed_of("hopper-rows", rows_long))
+    gen = torch.Generator().manual_seed(seed_of("hopper-rows", rows_long, D))
 
     def mask(b, h, qi, ki):
         return (qi // doc == ki // doc) & (ki <= qi) if not rows_long else ki <= qi
 
-    q, k, v = (torch.randn(1, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
+    q, k, v = (torch.randn(1, 2, n, D, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
     bm = create_block_mask(mask, None, None, L, S, device="cuda")
     out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
     assert calls == ([True] if rows_long else [])

@@ -147,6 +147,26 @@ def test_forced_gluon_forward_keeps_the_masks_own_tables(monkeypatch):
         assert (chosen is blocks) == kept, forced
 
 
+@pytest.mark.parametrize("D, kept", [(128, True), (64, False)])
+def test_gluon_forward_at_head_dim_64_yields_to_the_finer_tables(monkeypatch, D, kept):
+    # Rows alike (documents of 96 tokens): at head dim 128 the Gluon masked forward keeps the mask's
+    # own tables; at head dim 64 (three warpgroups, hopper.UNION_YIELDS) the template over the finer
+    # tables takes the call, unless the Gluon kernel is forced.
+    from flexcore.attention import _kv_blocks
+    from flexcore.kernels import hopper
+    from flexcore.options import KernelOptions
+
+    documents = _short_documents([96] * 10 + [64])
+    bm = create_block_mask(documents, None, None, 1024, 1024, device=DEVICE)
+    blocks = _kv_blocks(bm, 1, 2)
+    q = torch.empty(1, 2, 1024, D)
+    monkeypatch.setattr(hopper, "applies_masked", lambda *a: True)
+    chosen = fwd.refined(blocks, q, q, q, _identity(), _lowered(documents), 0.1, KernelOptions())
+    assert (chosen is blocks) == kept
+    monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
+    assert fwd.refined(blocks, q, q, q, _identity(), _lowered(documents), 0.1, KernelOptions()) is blocks
+
+
 def attention_module():
     import flexcore.attention
 
