@@ -85,6 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int)
     r.add_argument("--cuda-graphs", help="passes timed by replaying CUDA graphs: comma-separated passes, "
                    "'all' or 'none' (default: decode)")
+    r.add_argument("--no-pin-host", action="store_true",
+                   help="time on the GPU without putting the process's threads on one core (see bench/NOTES.md entry 52)")
     r.add_argument("--no-progress", action="store_true", help="log one line per case instead of a bar")
 
     p = sub.add_parser("report", help="write HTML, markdown, PNG and CSV reports of one or more runs")
@@ -131,7 +133,8 @@ def _run(args) -> int:
     overrides = {name: _ints(getattr(args, name)) for name in _SHAPE_FLAGS if getattr(args, name)}
     settings = {k: v for k, v in (("max_minutes", args.max_minutes), ("rep_ms", args.rep_ms),
                                   ("ref_slices", args.ref_slices), ("mask_budget_gb", args.mask_budget_gb),
-                                  ("seed", args.seed), ("cuda_graphs", args.cuda_graphs)) if v is not None}
+                                  ("seed", args.seed), ("cuda_graphs", args.cuda_graphs),
+                                  ("pin_host", False if args.no_pin_host else None)) if v is not None}
     if args.config:
         config = grid_mod.load_config(args.config)
         name = Path(args.config).stem if args.config not in grid_mod.PRESETS else args.config

@@ -101,6 +101,9 @@ class Settings:
     #: passes timed by replaying CUDA graphs (comma-separated; "" for none). Decoding steps are
     #: short enough that eager timing measures the host's launch work as much as the GPU's.
     cuda_graphs: str = "decode"
+    #: on the GPU, time with the process's threads on one core (bench.timing.pinned_host): the host's
+    #: time per call halves and spreads less (bench/NOTES.md entry 52)
+    pin_host: bool = True
 
     def graph_passes(self) -> set[str]:
         """The passes in :attr:`cuda_graphs` ("all" means every pass). Raises ConfigError for a

@@ -357,7 +357,7 @@ class CaseRunner:
             def timed(cuda_graph: bool):
                 return time_call(step, len(ctx.inputs), self.device, warmup_ms=s.warmup_ms,
                                  rep_ms=s.rep_ms, min_reps=s.min_reps, max_reps=s.max_reps,
-                                 cpu_reps=s.cpu_reps, cuda_graph=cuda_graph)
+                                 cpu_reps=s.cpu_reps, cuda_graph=cuda_graph, pin_host=s.pin_host)
 
             graph_note, eager = "", None
             if self.device.type == "cuda" and c.pass_ in s.graph_passes():
@@ -372,7 +372,8 @@ class CaseRunner:
         except Exception as exc:
             self._error(name, "timing", exc)
             return
-        tnote = f"{timing.method}, {len(ctx.inputs)} rotated input set(s){graph_note}"
+        pinned = "" if timing.pinned_core is None else f", host threads on core {timing.pinned_core}"
+        tnote = f"{timing.method}, {len(ctx.inputs)} rotated input set(s){pinned}{graph_note}"
         if eager is not None:
             self.row(name, "time_ms_eager", eager.median_ms, "ms",
                      note=f"{eager.method}: launched from Python at every call (host time included)")

@@ -1,6 +1,8 @@
 """Timing and peak memory of a prepared call: CUDA events on the GPU, a wall clock on the CPU."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import os
 import statistics
@@ -20,6 +22,7 @@ class Timing:
     p80_ms: float
     reps: int
     method: str  # "cuda_events", "cuda_graph" or "wall_clock"
+    pinned_core: int | None = None  # the core the process's threads ran on while timed (pin_host)
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -42,9 +45,53 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _current_core() -> int | None:
+    """The core this thread last ran on (field 39 of /proc/thread-self/stat), or None."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[37])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+@contextlib.contextmanager
+def pinned_host(enabled: bool = True):
+    """Within it, every thread of this process (the caller's, autograd's device threads, any
+    other) runs on one core: the one the caller is on. Yields that core, or None where pinning is
+    off or not possible (no sched_setaffinity, no /proc). The threads' own sets come back after.
+
+    Why (bench/NOTES.md entry 52): on the GPU machines a forward+backward call's host time per
+    call halves when its threads share one core (caches and clocks stay warm; the autograd
+    engine's hand-offs between the caller and its device thread do not cross cores), and it
+    spreads less; rows whose host time meets their GPU time otherwise move by up to 40% from
+    one machine to the next. Every provider is timed the same way."""
+    core = _current_core() if enabled and hasattr(os, "sched_setaffinity") else None
+    saved: dict[int, set] = {}
+    if core is not None:
+        try:
+            if core not in os.sched_getaffinity(0):
+                core = min(os.sched_getaffinity(0))
+            for tid in (int(t) for t in os.listdir("/proc/self/task")):
+                try:
+                    saved[tid] = os.sched_getaffinity(tid)
+                    os.sched_setaffinity(tid, {core})
+                except OSError:  # the thread ended meanwhile, or may not be moved
+                    saved.pop(tid, None)
+        except OSError:
+            core = None
+    try:
+        yield core if saved else None
+    finally:
+        for tid, cores in saved.items():
+            try:
+                os.sched_setaffinity(tid, cores)
+            except OSError:
+                pass
+
+
 def time_call(fn: Callable[[int], object], n_sets: int, device: torch.device, *, warmup_ms: float = 25,
               rep_ms: float = 100, min_reps: int = 10, max_reps: int = 200, cpu_reps: int = 5,
-              cuda_graph: bool = False) -> Timing:
+              cuda_graph: bool = False, pin_host: bool = False) -> Timing:
     """Time ``fn(i)`` (i picks one of ``n_sets`` input sets, rotated so that caches don't flatter).
 
     On CUDA: warm-up for ``warmup_ms``, then ``clamp(rep_ms / estimate, min_reps, max_reps)``
@@ -52,6 +99,7 @@ def time_call(fn: Callable[[int], object], n_sets: int, device: torch.device, *,
     With ``cuda_graph`` each input set's call is captured once in a CUDA graph and the replays are
     timed: the GPU time of the call without the host's time to launch it (what a decoding loop
     under CUDA graphs pays). Raises :class:`GraphCaptureError` when the call cannot be captured.
+    With ``pin_host`` the process's threads share one core while timed on CUDA (:func:`pinned_host`).
     On the CPU: ``cpu_reps`` wall-clock repetitions, without warm-up (the runner's first call
     already compiled, and the interpreter has no caches worth warming).
     """
@@ -62,6 +110,13 @@ def time_call(fn: Callable[[int], object], n_sets: int, device: torch.device, *,
             fn((i + 1) % n_sets)
             times.append((time.perf_counter() - start) * 1e3)
         return summarize(times, "wall_clock")
+    with pinned_host(pin_host) as core:
+        timing = _time_cuda(fn, n_sets, device, warmup_ms, rep_ms, min_reps, max_reps, cuda_graph)
+    return dataclasses.replace(timing, pinned_core=core)
+
+
+def _time_cuda(fn, n_sets: int, device: torch.device, warmup_ms: float, rep_ms: float, min_reps: int,
+               max_reps: int, cuda_graph: bool) -> Timing:
     method = "cuda_events"
     if cuda_graph:
         graphs = capture_graphs(fn, n_sets, device)

@@ -40,6 +40,17 @@ def test_errors_exit_2_with_a_message(tmp_path, capsys):
     assert "cuda_graphs='decode,bwd'" in capsys.readouterr().err
 
 
+def test_no_pin_host_reaches_the_settings(monkeypatch, tmp_path):
+    from bench import runner
+    seen = {}
+    monkeypatch.setattr(runner, "run", lambda grid, *a, **k: seen.setdefault("settings", grid.settings) and 0)
+    main(["run", "--config", "tiny", "--no-pin-host", "--out", str(tmp_path / "p")])
+    assert seen["settings"].pin_host is False
+    seen.clear()
+    main(["run", "--config", "tiny", "--out", str(tmp_path / "q")])
+    assert seen["settings"].pin_host is True
+
+
 def test_variant_list_splits_outside_parentheses():
     assert _variants("a(x=1,y=2)+b,c") == ["a(x=1,y=2)+b", "c"]
 
