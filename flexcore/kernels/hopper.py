@@ -18,10 +18,10 @@ It runs FlashAttention-3's schedule, which triton 3.6 does not produce from ``tl
 Under a mask, a program walks the blocks the mask lists for its 128-row block, partial ones first
 (the mask_mod applied) and then full ones. A 192-row program of three warpgroups spans two mask
 blocks: it walks the union of their lists (:func:`union_tables`), and each warpgroup computes the
-run of it that its own block lists (bench/NOTES.md entry 51). Everything else (score_mods, other head dims and
-dtypes, other GPUs, the interpreter, masks with short rows, mask_mods whose Gluon source does not
-build) takes the Triton template (flexcore.kernels.forward), and so does a call whose layout the
-descriptors cannot express.
+run of it that its own block lists (bench/NOTES.md entry 51). Everything else (score_mods, other
+head dims and dtypes, other GPUs, the interpreter, masks with short rows, mask_mods whose Gluon
+source does not build) takes the Triton template (flexcore.kernels.forward), and so does a call
+whose layout the descriptors cannot express.
 
 The outputs are the template's: out, lse (natural log) and row_stats (the row max in log2 units of
 the scaled scores, and 1/l), so either backward reads them.
@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from flexcore._runtime import use_interpreter
+from flexcore._runtime import capturing, use_interpreter
 
 # None: used wherever it applies; False: never (benchmarks, tests); True: as None, and a call it
 # cannot serve raises instead of falling back (tests).
@@ -243,8 +243,9 @@ def tables(blocks) -> tuple:
 
 def masked_tables(blocks, q_len: int, kv_len: int, head_dim: int) -> tuple | None:
     """(table arguments, has full blocks) of the masked forward at ``head_dim``: the mask's tables
-    for two-warpgroup programs, :func:`union_tables` for three; None where those are not known yet
-    inside a CUDA graph capture (the template then serves the call)."""
+    for two-warpgroup programs, :func:`union_tables` for three. None (the template then serves the
+    call) where more than UNION_MAX_EXCLUSIVE of the union's tiles are one block's own (unless
+    HOPPER_MASKED forces the kernel), or inside a CUDA graph capture before the lists are known."""
     tiles = MASKED_TILES[head_dim]
     if tiles.num_wg == 2:
         return tables(blocks)
@@ -286,7 +287,6 @@ def union_tables(blocks, q_len: int, kv_len: int, rows: int) -> tuple | None:
     found = blocks._orders.get(key)
     if found is not None:
         return found
-    from flexcore._runtime import capturing
     if capturing():
         return None
     B, H = blocks.num_blocks.shape[:2]
