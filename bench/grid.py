@@ -380,4 +380,6 @@ def build_grid(config: dict, name: str = "grid", *, variants=None, passes=None, 
         raise ConfigError(f"unknown setting(s) {sorted(unknown)}; known: {sorted(fields)}")
     settings_obj = Settings(**merged)
     settings_obj.graph_passes()  # a bad cuda_graphs value fails here, before anything runs
+    if not isinstance(settings_obj.pin_host, bool):
+        raise ConfigError(f"pin_host={settings_obj.pin_host!r}: expected true or false")
     return Grid(name=name, cases=cases, providers=provider_list, settings=settings_obj)

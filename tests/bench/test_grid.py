@@ -60,6 +60,8 @@ def test_toml_and_yaml_configs_give_the_same_grid(tmp_path):
      "providers"),
     ({"groups": [{"variants": ["causal"], "shapes": [[1, 8]], "heads": [2], "head_dim": [8]}],
       "providers": ["sdpa_math"], "settings": {"cuda_graphs": "decode,backward"}}, "cuda_graphs"),
+    ({"groups": [{"variants": ["causal"], "shapes": [[1, 8]], "heads": [2], "head_dim": [8]}],
+      "providers": ["sdpa_math"], "settings": {"pin_host": "no"}}, "pin_host='no': expected true or false"),
 ])
 def test_bad_configs_say_what_is_wrong(config, words):
     with pytest.raises(ConfigError, match=words):
