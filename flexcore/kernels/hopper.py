@@ -41,6 +41,7 @@ from typing import NamedTuple
 import torch
 
 from flexcore._runtime import capturing, use_interpreter
+from flexcore.blockmask import _block_map_of
 
 # None: used wherever it applies; False: never (benchmarks, tests); True: as None, and a call it
 # cannot serve raises instead of falling back (tests).
@@ -293,20 +294,14 @@ def union_tables(blocks, q_len: int, kv_len: int, rows: int) -> tuple | None:
     sparse_q, sparse_kv = blocks.sparse_block
     n_rows = -(-q_len // sparse_q)
     n_cols = -(-kv_len // sparse_kv)
-    listed = [(_base(blocks.num_blocks)[..., :n_rows], _base(blocks.indices)[..., :n_rows, :], 1)]
-    if blocks.full_num_blocks is not None:
-        listed.append((_base(blocks.full_num_blocks)[..., :n_rows], _base(blocks.full_indices)[..., :n_rows, :], 2))
-    device = blocks.num_blocks.device
-    base = [max(t.shape[d] for n, i, _ in listed for t in (n, i)) for d in (0, 1)]
-    # code[b, h, row, col]: 0 not listed, 1 partial, 2 full (an extra row of zeros past the last, an
-    # extra column that the unused list entries are written to)
-    code = torch.zeros((*base, n_rows + 1, n_cols + 1), dtype=torch.int8, device=device)
-    for n, i, value in listed:
-        n, i = n.expand(*base, n_rows), i.expand(*base, n_rows, i.shape[-1])
-        used = torch.arange(i.shape[-1], device=device) < n[..., None].to(torch.int64)
-        target = torch.where(used, i.to(torch.int64), n_cols)
-        code[:, :, :n_rows].scatter_(-1, target, value)
-    code = code[..., :n_cols]
+    tables = [blocks.num_blocks, blocks.indices, blocks.full_num_blocks, blocks.full_indices]
+    tables = [None if t is None else _base(t)[:, :, :n_rows] for t in tables]
+    base = [max(t.shape[d] for t in tables if t is not None) for d in (0, 1)]
+    tables = [None if t is None else t.expand(*base, *t.shape[2:]) for t in tables]
+    # code[b, h, row, col]: 0 not listed, 1 partial, 2 full (BlockMask.block_map's), and a row of
+    # zeros past the last
+    code = torch.nn.functional.pad(_block_map_of(*tables)[..., :n_cols], (0, 0, 0, 1))
+    device = code.device
     programs = -(-q_len // rows)
     row_a = torch.arange(programs, device=device) * rows // sparse_q
     a, b = code[:, :, row_a], code[:, :, row_a + 1]  # (B', H', programs, n_cols)
