@@ -1,7 +1,17 @@
-"""Forward tile configurations for the anchors' document mask (8 documents, causal) at head dim
-128, bf16, H=16: each configuration pinned through kernel_options, against the autotuned default
-and torch's compiled flex_attention; do_bench median ms ratios to the autotuned
-default. Usage: PYTHONPATH=. python3 bench/probes/doc_tiles.py [spec [MxNwWsS,...]]"""
+"""Is the forward autotuner leaving speed on the table for a given variant: which pinned tile
+configuration is fastest?
+
+Each (BLOCK_M, BLOCK_N, num_warps, num_stages) is pinned through kernel_options, one at a time,
+against the autotuned default and torch's compiled flex_attention; it prints each one's do_bench
+median (ms), its speed relative to the autotuned default and its largest output difference to it.
+A configuration that does not fit the GPU prints the error's name. bf16, H=16, D=128, the anchors'
+shapes (B=4 S=4096, B=1 S=16384). Needs a CUDA GPU. Uses only flexcore's public API.
+
+Usage: PYTHONPATH=. python3 bench/experiments/forward_tiles.py [VARIANT [MxNwWsS,...]]
+  VARIANT: a registry spec as the bench takes it (default "document(num_documents=8)");
+  e.g. forward_tiles.py "sliding_window(window_size=1024)" 128x64w4s2,64x64w4s3
+See docs/decisions.md#forward-tiles.
+"""
 import sys
 
 import torch

@@ -1,10 +1,22 @@
-"""Compile flex_bwd_kernel (causal mask, identity score_mod, D=128, dK/dV 64x128 and dQ 128x128
-tiles, 8 warps, 2 stages, pointer loads) for sm_90 offline, without a GPU (triton's bundled
-ptxas), from a given template file; print a hash of its SASS and its resource usage. Two
-templates that hash the same compile to the same kernel (bench/NOTES.md entry 38). The pointer
-arguments carry no alignment hints here, so registers and stack differ from a GPU launch's.
-Usage: PYTHONPATH=. python3 bench/probes/bwd_sass.py TEMPLATE_PATH [PHASE]
-e.g. git show REV:flexcore/kernels/templates/backward.py.tmpl > /tmp/old.tmpl, then both paths."""
+"""Do two versions of the backward template compile to the same GPU kernel, and with how many
+registers and spills? Answered without a GPU.
+
+Compiles flex_bwd_kernel (causal mask, identity score_mod, D=128, dK/dV 64x128 and dQ 128x128
+tiles, 8 warps, 2 stages, pointer loads) for sm_90 with triton's bundled ptxas, from the template
+file given, and prints a hash of its SASS and its resource usage (registers, stack, shared
+memory). Two templates whose hashes agree give the same kernel. The pointer arguments carry no
+alignment hints here, so registers and stack differ from a launch on the GPU; compare runs of this
+script with each other only. Runs on a CPU-only machine (about 10 s).
+
+It drives flexcore's internals (the backward's source builder and the template's constexpr names);
+when the template gains or loses a constexpr, update `consts` below.
+
+Usage: PYTHONPATH=. python3 bench/experiments/offline_sass.py TEMPLATE_PATH [PHASE]
+  e.g. git show REV:flexcore/kernels/templates/backward.py.tmpl > /tmp/old.tmpl
+       python3 bench/experiments/offline_sass.py /tmp/old.tmpl
+       python3 bench/experiments/offline_sass.py flexcore/kernels/templates/backward.py.tmpl
+See docs/decisions.md#machine-spread (the check that ruled out a code change).
+"""
 import hashlib
 import importlib.util
 import os

@@ -1,8 +1,16 @@
-"""Forward+backward broken down by GPU kernel (bench/NOTES.md entry 34): for flexlab and torch's
-compiled flex_attention, the device time per iteration of each kernel (torch.profiler), their sum,
-and the wall time per iteration, so that time outside the attention kernels (preprocessing, copies,
-fills, gaps between launches) shows. bf16, H=16, D=128, anchors shapes.
-Usage: PYTHONPATH=. python3 bench/probes/fb_kernels.py [--variants=a,b] [--shapes=4096,16384]"""
+"""Where does a forward+backward call's GPU time go, kernel by kernel, for flexcore and for torch's
+compiled flex_attention?
+
+For each mask and size it prints the wall time per iteration, the sum of the GPU kernels' times
+(torch.profiler, 20 iterations after 5 of warm-up) and the eight longest kernels. A gap between the
+wall time and the kernels' sum is host time or launch gaps; a difference between two providers'
+kernels of the same name says which kernel to work on. bf16, H=16, D=128, B = 16384 / S.
+Needs a CUDA GPU. The bench times whole calls only; this splits them.
+
+Usage: PYTHONPATH=. python3 bench/experiments/kernel_times.py [--variants=noop,causal,sliding,document]
+       [--shapes=4096,16384]
+See docs/decisions.md#backward-tiles (the measurement that found the backward kernels at parity).
+"""
 import sys
 import time
 from collections import defaultdict

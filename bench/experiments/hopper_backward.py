@@ -1,10 +1,19 @@
-"""The Gluon backward (flexcore.kernels.hopper, templates/backward_hopper.py.tmpl) against the
-Triton template's backward and torch's compiled flex_attention: forward+backward and forward alone
-(ms, median of do_bench), their difference as the backward, and the largest difference between the
-two flexcore backwards' gradients. bf16, H=16, D=128, B=4 S=4096 and B=1 S=16384.
-Usage: PYTHONPATH=. python3 bench/probes/gluon_bwd.py [--rounds=2] [--sizes=4096,16384]
-[--masks=noop,causal,sliding,prefix,document] [--profile]
---profile: also each kernel's GPU time per call (torch.profiler, 5 calls), Gluon and template backward.
+"""On a Hopper GPU, how does the Gluon backward compare with the Triton template's backward and with
+torch's compiled flex_attention, and do the two flexcore backwards give the same gradients?
+
+Prints a markdown table per mask and size: forward+backward and forward alone (do_bench medians,
+min over rounds), their difference as the backward, the ratios to torch flex, and the largest
+difference between the two flexcore backwards' gradients (0 when they are bit-identical, as they
+should be). With --profile, also each kernel's GPU time per call. bf16, H=16, D=128, B = 16384 / S.
+Needs an sm_90 GPU.
+
+It chooses the backward with flexcore.kernels.hopper.HOPPER_BACKWARD (None: by the rule, False:
+the template) and drops per-call plans between choices; where the kernel choice is passed as an
+explicit policy instead, set the same choice there.
+
+Usage: PYTHONPATH=. python3 bench/experiments/hopper_backward.py [--rounds=2] [--sizes=4096,16384]
+       [--masks=noop,causal,sliding,prefix,document] [--profile]
+See docs/decisions.md#gluon-backward.
 """
 import sys
 

@@ -1,9 +1,17 @@
-"""Host time of one forward+backward call (bench/NOTES.md entry 35), flexlab against torch's
-compiled flex_attention: the GPU is kept busy by a long sleep kernel so that the host never waits
-on it, and the host's time per call is read from a loop of N calls (min and median over rounds);
-then a cProfile of flexlab's calls, its top functions by own time and by cumulative time.
-bf16, H=16, D=128, document mask (8 documents) and sliding window (1024) at 4k.
-Usage: PYTHONPATH=. python3 bench/probes/host_fb.py [--calls=50] [--rounds=7] [--profile=1]"""
+"""How much host (CPU) time does one forward+backward call cost, flexcore against torch's compiled
+flex_attention, and which Python functions hold it?
+
+The GPU is kept busy by a long sleep kernel queued first, so the host never waits on it and a loop
+of N calls measures the host's own time per call (min and median over rounds). Cases: flexcore
+forward+backward, torch flex forward+backward, flexcore's forward with and without autograd. Then a
+cProfile of flexcore's forward+backward calls, by own time and by cumulative time.
+bf16, B=4, H=16, S=4096, D=128; the document mask (8 documents) and a 1024-token sliding window.
+Needs a CUDA GPU. Compare the host time with the call's GPU time (kernel_times.py): a row whose
+host time reaches its GPU time is host-bound.
+
+Usage: PYTHONPATH=. python3 bench/experiments/host_time.py [--calls=50] [--rounds=7] [--profile=1]
+See docs/decisions.md#host-bound-rows and #per-call-plans.
+"""
 import cProfile
 import io
 import pstats

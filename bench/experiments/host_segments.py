@@ -1,12 +1,20 @@
-"""Where a host-bound forward+backward call's host time goes, by segment and percentile, and what
-moves its tail (bench/NOTES.md entry 52): D=64, B=4, H=16, S=4096, bf16, the anchors' document and
-sliding-window masks, two rotated input sets. The GPU's queue is kept ahead with a sleep kernel, so
-each segment is the host's own time. Segments (perf_counter stamps): the forward call; autograd.grad
-until flexcore's backward starts (the engine hands the node to its device thread); the backward's
-host code; from its return until grad returns (the engine wakes the caller). Modes: as is; gc
-disabled; the process pinned to one core before autograd's threads start (a separate process each,
-so that the pinning holds for the engine's thread). Also torch flex's forward+backward call, whole.
-Usage: PYTHONPATH=. python3 bench/probes/host_segments.py"""
+"""Where does a host-bound forward+backward call's host time go, segment by segment, and how does
+putting the process on one core change it?
+
+Segments (perf_counter stamps): the forward call; from its return until flexcore's backward starts
+on autograd's device thread; the backward's host code; from its return until autograd.grad returns
+to the caller. Percentiles p20/p50/p80 over 300 calls, the GPU's queue kept behind with a sleep
+kernel so that each segment is the host's own time. Each mode runs in a fresh process: plain; with
+the garbage collector off; pinned to one core before autograd's threads start; and torch's compiled
+flex_attention's whole call for comparison. D=64, B=4, H=16, S=4096, bf16, the anchors' document
+and sliding-window masks. Needs a CUDA GPU (and a machine with at least 3 cores for the pinned mode).
+
+It reaches into flexcore's autograd Function (flexcore.attention._FlexAttention.backward) to stamp
+the backward; update that line if the Function moves.
+
+Usage: PYTHONPATH=. python3 bench/experiments/host_segments.py
+See docs/decisions.md#host-pinning (why the bench pins its host threads while timing).
+"""
 import subprocess
 import sys
 

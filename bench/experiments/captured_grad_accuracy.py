@@ -1,12 +1,19 @@
-"""The backward's delta pass (bench/NOTES.md entry 37; flexcore.kernels.backward.EXACT_DELTA).
+"""How accurate is the gradient of a learnable captured tensor (a per-head ALiBi slope) in bf16,
+with and without the backward's delta pass, and what does the pass cost?
 
-Accuracy: gradients of a learnable per-head ALiBi slope (and of q, k) in bf16 against the float64
-reference, for flexcore with the pass on and off, torch's compiled flex_attention and torch's eager
-bf16 (the reference without upcast). Time: forward+backward with the learnable slope, pass on and
-off, median of do_bench, best of two alternating rounds, bf16, H=16, causal mask. (torch's compiled
-flex_attention is not timed here: with a learnable captured tensor its timed loop took about 950 ms
-per call at B=4 S=4096 in this process, which is not a kernel time.)
-Usage: PYTHONPATH=. python3 bench/probes/exact_delta.py
+Accuracy: relative Frobenius error of dq, dk and dslope against the float64 reference, for
+flexcore with the pass on and off, torch's compiled flex_attention, and torch's eager bf16 (the
+reference without upcast); B=2 H=4 S=1024, causal, slopes of both signs, D=128 and 64.
+Time: forward+backward with the learnable slope, pass on and off, best of two alternating rounds
+of do_bench medians, B=4 H=16 S=4096. Needs a CUDA GPU. torch's compiled flex_attention is not
+timed: with a learnable captured tensor its loop took about 950 ms per call at that size, which is
+not a kernel time.
+
+It switches the pass with flexcore.kernels.backward.EXACT_DELTA; where the backward's choices are
+passed as an explicit policy instead, set the same choice there.
+
+Usage: PYTHONPATH=. python3 bench/experiments/captured_grad_accuracy.py
+See docs/decisions.md#exact-delta.
 """
 import torch
 from torch.nn.attention import flex_attention as torch_flex_mod

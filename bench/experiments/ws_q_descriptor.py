@@ -1,5 +1,17 @@
-"""Warp specialization on a kernel that mirrors flexcore's dense forward, one flexcore feature per
-flag on top of the bisect kernel's working form; prints error vs SDPA and TFLOP/s."""
+"""Does this triton still miscompile a warp-specialized attention loop when Q is read through a
+tensor descriptor based at one head's rows?
+
+A small dense forward (one loop over all keys, K/V through descriptors) with one constexpr per
+feature of flexcore's loop. Each combination prints TFLOP/s and its largest error against SDPA;
+a correct kernel shows about 5e-4. With triton 3.6 on an H200, warp specialization with a
+per-head Q descriptor (the first combination) gave errors of 0.2-0.3 (NaN at 3 stages), and a
+descriptor over all of Q's rows (GQ) was correct. flexcore's warp-specialized paths read Q that
+way for this reason; rerun this after a triton upgrade to see whether the workaround is still
+needed. B=4 H=16 S=4096, D=128 and 64, bf16. Needs a Hopper GPU.
+
+Usage: PYTHONPATH=. python3 bench/experiments/ws_q_descriptor.py
+See docs/decisions.md#dense-warp-specialization.
+"""
 import torch, triton, triton.language as tl
 
 @triton.jit
@@ -117,8 +129,8 @@ def kern(Q, K, V, Out, LSE, ROW_STATS,
         tl.store(ROW_STATS + off_bh * Q_LEN + offs_m, m_i, mask=q_ok)
         tl.store(ROW_STATS + STATS_STRIDE + off_bh * Q_LEN + offs_m, tl.where(l_i == 0.0, 0.0, 1.0 / l_safe), mask=q_ok)
 
-import flexcore.kernels.forward as F
-F.use_tma((torch.empty(2, 2, 2, 64, device="cuda", dtype=torch.bfloat16),), True)  # sets the allocator
+# Descriptors made inside a kernel live in global scratch memory, which triton allocates through this.
+triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 flags = ["MSAFE", "OFFS", "RT_BEGIN", "RT_STRIDES", "EPI", "QPTR", "PLAIN_DOT", "INLINE", "GQ", "GKV", "NOMASK"]
 import sys
 for D, cfgs in ((128, [(128, 128, 4, 2)]), (64, [(128, 128, 4, 2)])):
