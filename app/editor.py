@@ -62,9 +62,11 @@ def code_editor(annotations: list[dict] | None = None, height: int = 420) -> str
         from streamlit_ace import st_ace
 
         # At Ace's default 14 px, Chromium clips underscores with DejaVu Sans Mono (the usual
-        # Linux monospace font): q_idx reads "q idx". 15 px draws them.
+        # Linux monospace font): q_idx reads "q idx". 15 px draws them. Long lines wrap rather
+        # than run past the column's edge.
         value = st_ace(value=initial, language="python", theme="chrome", keybinding="vscode",
                        font_size=15, tab_size=4, min_lines=18, auto_update=True, show_gutter=True,
+                       wrap=True,
                        annotations=annotations or [], key=widget_key)
     # Adopt the widget's value only when the user changed it, so code set through session_state
     # (tests, other pages) is never overwritten by a widget that has not seen it yet.

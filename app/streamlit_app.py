@@ -1,6 +1,7 @@
 """flexlab workbench: the entry script. Routes to the pages in app/app_pages/.
 
-Run with ``make app`` or ``python -m streamlit run app/streamlit_app.py`` from the repository root.
+Run with ``make app`` or ``python -m streamlit run app/streamlit_app.py`` from the repository root;
+settings after ``--`` are described in :mod:`app.settings`.
 """
 from __future__ import annotations
 
@@ -21,15 +22,27 @@ try:
     from flexcore._runtime import prepare_triton
 
     # Before anything imports triton: without a GPU, kernels run under Triton's interpreter,
-    # which must be selected before any @triton.jit decorator runs.
+    # which must be selected before any @triton.jit decorator runs (bench's loader imports it).
     prepare_triton()
 except Exception as exc:  # noqa: BLE001 - the Environment page explains what is missing
     st.sidebar.warning(f"flexcore cannot be imported: {type(exc).__name__}: {exc}")
 
-from app import sandbox  # noqa: E402
+from app import client, settings, ui  # noqa: E402
 
-# The process that first runs the user's code imports torch: start it before it is needed.
-sandbox.warm()
+binding = settings.binding(st.get_option("server.address"))
+if binding == "remote-refused":
+    st.error("This workbench runs the Python typed into it with your rights, so it serves pages on "
+             "the loopback interface (127.0.0.1) only.", icon=":material/gpp_bad:")
+    st.code(f"It was started with server address {st.get_option('server.address') or '(all)'!r}. "
+            "Restart it on 127.0.0.1 and use an SSH tunnel, or, on a trusted network, add the "
+            "explicit flag:\n\n  python -m streamlit run app/streamlit_app.py --server.address "
+            "0.0.0.0 -- --allow-remote", language=None, wrap_lines=True)
+    st.stop()
+if binding == "remote-allowed":
+    ui.remote_banner()
+
+# The worker imports torch and flexcore: start it before the first action needs it.
+client.warm()
 
 pages = [
     st.Page("app_pages/playground.py", title="Playground", icon=":material/science:", default=True),
@@ -42,6 +55,6 @@ try:
     page.run()
 except Exception as exc:  # noqa: BLE001 - last resort: an error box, never a traceback page
     logging.getLogger("flexlab.app").exception("uncaught error on page %s", page.title)
-    st.error(f"**Something went wrong on this page:** {type(exc).__name__}: {exc}\n\n"
-             "Your code and settings are kept. The full traceback is in the server's log.",
-             icon=":material/error:")
+    st.error("Something went wrong on this page. Your code and settings are kept; the full "
+             "traceback is in the server's log.", icon=":material/error:")
+    st.code(f"{type(exc).__name__}: {exc}", language=None, wrap_lines=True)

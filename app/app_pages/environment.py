@@ -1,13 +1,23 @@
-"""Environment: GPU or CPU mode, versions, providers and why some are unavailable."""
+"""Environment: GPU or CPU mode, versions, providers and why some are unavailable, the worker,
+the data folder, and what running the workbench means for security."""
 from __future__ import annotations
+
+import datetime
 
 import streamlit as st
 
-from app import editor, services
+from app import client, editor, services, ui
+from app.services import playground
+from app.settings import data_dir, is_loopback
 
 st.title("Environment")
 lim = services.limits()
-info = services.environment()
+try:
+    info = services.worker_info()
+    env = services.call("environment")
+except services.ActionFailed as e:
+    ui.show_failure(e)
+    st.stop()
 
 if lim.cpu_mode:
     st.info(lim.describe(), icon=":material/computer:")
@@ -15,33 +25,41 @@ else:
     st.success(f"{lim.describe()} Device: {info.get('gpu', 'cuda')}.", icon=":material/rocket_launch:")
 
 c1, c2, c3, c4 = st.columns(4)
-c1.metric("Mode", info["mode"])
+c1.metric("Mode", "CPU" if lim.cpu_mode else "GPU")
 c2.metric("torch", info["torch"])
 c3.metric("triton", info["triton"])
-c4.metric("streamlit", info["streamlit"])
+c4.metric("streamlit", st.__version__)
 
 st.subheader("Attention providers")
-try:
-    rows = services.providers()
-    # A static table: the reasons are sentences and must wrap, not be cut off.
-    st.table([{"provider": r["name"], "available": "yes" if r["available"] else "no",
-               "detail / why not": r["reason"]} for r in rows])
-except services.Unavailable as e:
-    st.warning(f"The provider list is unavailable: {e}", icon=":material/construction:")
+# A static table: the reasons are sentences and must wrap, not be cut off.
+st.table([{"provider": services.provider_label(r["name"]),
+           "available": "yes" if r["available"] else "no", "detail / why not": r["reason"]}
+          for r in playground.providers()])
 
 st.subheader("Versions and machine")
-details = {"python": info["python"], **info.get("bench_env", {})}
-st.table([{"key": k, "value": str(v)} for k, v in details.items()])
-if "bench_env_error" in info:
-    st.caption(f"bench's environment capture is unavailable: {info['bench_env_error']}")
+st.table([{"key": k, "value": str(v)} for k, v in {"python": info["python"], **env}.items()])
 
 st.subheader("Workbench")
+worker = client.worker()
 address = st.get_option("server.address") or "(all interfaces)"
+started = (datetime.datetime.fromtimestamp(worker.started_at).strftime("%H:%M:%S")
+           if worker.started_at else "not started")
+st.table([
+    {"key": "server address", "value": address + ("" if is_loopback(st.get_option("server.address"))
+                                                  else "  (reachable from other machines)")},
+    {"key": "worker process", "value": f"pid {info.get('pid')}, started {started}, "
+                                       f"{worker.starts} start(s) since the app started"},
+    {"key": "worker's last failure", "value": worker.last_failure or "none"},
+    {"key": "data folder (experiments, worker log)", "value": str(data_dir())},
+    {"key": "code editor", "value": "Ace (streamlit-ace), with syntax highlighting"
+     if editor.ace_available() else "plain text area"},
+])
 st.markdown(
-    f"- Server address: `{address}`. The workbench runs the Python typed into the Playground, so "
-    "it listens on 127.0.0.1 only (`.streamlit/config.toml`). To expose it on purpose, start it "
-    "with `--server.address 0.0.0.0` on a trusted network only.\n"
-    "- Code editor: " + ("Ace (streamlit-ace), with syntax highlighting" if editor.ace_available()
-                         else "plain text area") + ".\n"
-    "- User code runs first in a child process with a time limit, so an endless loop cannot "
-    "freeze the app.")
+    "**What the workbench runs, and with which rights.** The mods you type into the Playground are "
+    "ordinary Python. They run in the workbench's worker process with your user's own rights, as "
+    "code in a Jupyter kernel does: they can read and write your files and reach the network. The "
+    "worker keeps a crash, an endless loop or a CUDA error away from the app (it is restarted), "
+    "but it is not a sandbox. That is why the server listens on 127.0.0.1 only; to reach it from "
+    "elsewhere, prefer an SSH tunnel (`ssh -L 8501:127.0.0.1:8501 host`). Another address needs "
+    "`--server.address ADDRESS` and the explicit flag `-- --allow-remote`, and every page then "
+    "shows a warning.")

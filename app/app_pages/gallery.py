@@ -1,17 +1,16 @@
-"""Gallery: every registered variant, its paper, its parameters, mask and block map."""
+"""Gallery: every registered variant, its paper, its parameters, mask, block map and (score
+mods) bias."""
 from __future__ import annotations
 
 import streamlit as st
 
-from app import editor, plots, services, ui
+from app import experiments, plots, services, ui
+from app.services import gallery
+from app.usercode import CodeProblem
 
 st.title("Gallery")
 lim = services.limits()
-try:
-    catalog = services.variant_catalog()
-except services.Unavailable as e:
-    ui.unavailable("The gallery", str(e))
-    st.stop()
+catalog = gallery.variant_catalog()
 
 st.caption(f"{len(catalog)} variants. Pick one to see its mask and block map, tune its parameters, "
            "and open its source in the Playground.")
@@ -26,7 +25,7 @@ default = names.index("sliding_window") if "sliding_window" in names else 0
 name = st.selectbox("Variant", names, index=default, key="gallery_variant",
                     format_func=lambda n: f"{by_name[n]['title']}  ·  {n}  [{by_name[n]['kind']}]")
 entry = by_name[name]
-variant = services.variant(name)
+variant = gallery.variant(name)
 
 st.subheader(entry["title"])
 st.write(entry["description"])
@@ -51,12 +50,9 @@ with controls:
 with view_col:
     params_key = tuple(sorted(params.items()))
     try:
-        view = services.gallery_view(name, params_key, q_len, heads, h, block)
-    except services.Unavailable as e:
-        ui.unavailable("The preview", str(e))
-        view = None
-    except Exception as e:  # noqa: BLE001 - a parameter setting the variant rejects
-        st.error(f"{type(e).__name__}: {e}", icon=":material/error:")
+        view = gallery.gallery_view(name, params_key, q_len, heads, h, block)
+    except services.ActionFailed as e:
+        ui.show_failure(e)
         view = None
     if view is not None:
         m = view["mask"]
@@ -66,6 +62,13 @@ with view_col:
         st.caption(f"Kept {m['kept']:,} of {m['total']:,} positions "
                    f"({100 * m['kept'] / m['total']:.2f} %)."
                    + ("" if m["has_mask"] else " This variant has no mask_mod (score_mod only)."))
+        if view["scores"] is not None:
+            sv = view["scores"]
+            st.plotly_chart(plots.value_heatmap(sv, f"Bias of the score_mod, head {h} "
+                                                    "(score_mod of zero scores)", "bias"),
+                            key="gallery_bias_fig", width="stretch")
+            st.caption(f"Kept values range from {services.tables.fmt(sv['min'])} to "
+                       f"{services.tables.fmt(sv['max'])}; masked positions are blank.")
         bl = view["blocks"]
         st.plotly_chart(plots.block_map(bl, f"Block map, head {h}: {bl['sparsity']:.1f} % of blocks "
                                             f"skipped"), key="gallery_block_fig", width="stretch")
@@ -73,17 +76,19 @@ with view_col:
                    "(over all heads)")
 
 st.divider()
-shape = st.session_state.get(ui.SHAPE_KEY, services.default_shape())
+shape = {**services.default_shape(), **st.session_state.get(ui.SHAPE_KEY, {})}
 st.markdown(f"**Source** at the Playground's shape (B={shape['B']}, H={shape['Hq']}, "
             f"Q_LEN={shape['Q_LEN']}, KV_LEN={shape['KV_LEN']}):")
 try:
-    source = services.variant_source(name, params, shape)
-except Exception as e:  # noqa: BLE001
-    st.error(f"{type(e).__name__}: {e}", icon=":material/error:")
+    source = gallery.variant_source(name, params, shape)
+except Exception as e:  # noqa: BLE001 - a parameter setting the variant rejects
+    ui.show_problem(CodeProblem("exception", type(e).__name__, str(e)))
     source = None
 if source is not None:
-    if st.button("Open in Playground", type="primary", icon=":material/open_in_new:", key="gallery_open"):
-        editor.set_code(source)
-        ui.clear_playground_results()
-        st.switch_page("app_pages/playground.py")
+    if st.button("Open in Playground", type="primary", icon=":material/open_in_new:",
+                 key="gallery_open", help="A new experiment with this source"):
+        settings = ", ".join(f"{k}={v}" for k, v in params.items())
+        experiments.open_new(source, f"{name}({settings})", shape)
+        st.switch_page("app_pages/playground.py",
+                       query_params={"exp": experiments.current()["id"]})
     st.code(source, language="python")

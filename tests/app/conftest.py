@@ -1,17 +1,19 @@
-"""Fixtures of the workbench tests: results go to a temporary folder; the code checker stops."""
+"""Fixtures of the workbench tests: results and experiments go to temporary folders; the worker
+process stops when the tests end."""
 from __future__ import annotations
 
 import pytest
 
 
 @pytest.fixture(autouse=True)
-def _results_dir(tmp_path, monkeypatch):
+def _folders(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXLAB_RESULTS_DIR", str(tmp_path / "results"))
+    monkeypatch.setenv("FLEXLAB_DATA_DIR", str(tmp_path / "data"))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _stop_checker():
+@pytest.fixture(scope="session", autouse=True)
+def _stop_worker():
     yield
-    from app import sandbox
+    from app import client
 
-    sandbox.shutdown()
+    client.shutdown()

@@ -1,10 +1,14 @@
 """End to end: `streamlit run` on a free loopback port, driven by headless Chromium (Playwright).
 
-Edits the Playground's mod in the browser, runs Check, waits for its verdict and saves
-screenshots under test-artifacts/ (git-ignored) for a person to look at.
+Each test works in the browser as a user would and saves screenshots under test-artifacts/
+(git-ignored) for a person to look at: a reload restores the experiment; a worker crash is
+reported and the next action works; an export after an edit is refused as stale; an unseeded
+random captured tensor gives matching gradients; two mods compare side by side; table numbers are
+written in full.
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -21,12 +25,18 @@ ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+LONG = 240_000  # ms: actions under Triton's interpreter on a busy two-core machine
 
-# A causal mask at Q_LEN = KV_LEN = 128 keeps 128·129/2 = 8,256 of 16,384 positions: seeing that
-# count proves the browser's edit reached the server.
-# Typed line by line: Ace indents the body itself after the colon, and Escape closes its
-# autocompletion popup so that Enter starts a new line instead of accepting a suggestion.
-EDITED_LINES = ["def mask_mod(b, h, q_idx, kv_idx):", "return q_idx >= kv_idx"]
+# A causal mask at the CPU default Q_LEN = KV_LEN = 128 keeps 128·129/2 = 8,256 of 16,384
+# positions: seeing that count proves the code reached the worker.
+CAUSAL = "def mask_mod(b, h, q_idx, kv_idx):\n    return q_idx >= kv_idx\n"
+CAUSAL_KEPT = "Kept 8,256 of 16,384 positions"
+UNSEEDED = ("import torch\n\nbias = torch.randn(H, requires_grad=True)\n\n\n"
+            "def score_mod(score, b, h, q_idx, kv_idx):\n"
+            "    return score + bias[h] * (q_idx - kv_idx) / Q_LEN\n")
+CRASH = "import os\n\nos.kill(os.getpid(), 9)\n"
+WINDOW = ("def mask_mod(b, h, q_idx, kv_idx):\n"
+          "    return (q_idx >= kv_idx) & (q_idx - kv_idx < 32)\n")
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not Path(CHROMIUM).exists(),
@@ -59,7 +69,8 @@ def server(tmp_path_factory):
     port = _free_port()
     ARTIFACTS.mkdir(exist_ok=True)
     log = open(ARTIFACTS / "streamlit-e2e.log", "w")
-    env = {**os.environ, "FLEXLAB_RESULTS_DIR": str(tmp_path_factory.mktemp("results"))}
+    env = {**os.environ, "FLEXLAB_RESULTS_DIR": str(tmp_path_factory.mktemp("results")),
+           "FLEXLAB_DATA_DIR": str(tmp_path_factory.mktemp("data"))}
     proc = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app/streamlit_app.py", "--server.headless", "true",
          "--server.address", "127.0.0.1", "--server.port", str(port),
@@ -70,8 +81,8 @@ def server(tmp_path_factory):
         _wait_healthy(url, proc)
         yield url
     finally:
-        # The server's own process group holds its child processes (the code checker): stop them
-        # together, by the group id of the process this test started.
+        # The server's own process group holds its worker process: stop them together, by the
+        # group id of the process this test started.
         try:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=20)
@@ -80,100 +91,189 @@ def server(tmp_path_factory):
         log.close()
 
 
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def context(browser):
+    # Tall enough for the results: Streamlit scrolls inside its main block, so a full-page
+    # screenshot shows only what fits the viewport.
+    ctx = browser.new_context(viewport={"width": 1500, "height": 3400})
+    yield ctx
+    ctx.close()
+
+
+@pytest.fixture
+def page(context, server):
+    """The Playground, with the plain text editor (which the tests fill)."""
+    from playwright.sync_api import expect
+
+    p = context.new_page()
+    p.goto(server, wait_until="domcontentloaded")
+    expect(p.get_by_role("heading", name="Playground")).to_be_visible(timeout=60_000)
+    p.get_by_text("Plain text editor").click()
+    p.locator("textarea").first.wait_for(timeout=LONG)
+    return p
+
+
 def _settle(page) -> None:
     """Wait until Streamlit has finished running the script and the charts are drawn."""
     status = page.locator('[data-testid="stStatusWidget"]')
     try:
-        status.wait_for(state="hidden", timeout=120_000)
+        status.wait_for(state="hidden", timeout=LONG)
     except Exception:  # noqa: BLE001 - a screenshot of a busy page still helps
         pass
     page.mouse.move(0, 0)  # no tooltip over the results
-    page.wait_for_timeout(1500)
+    page.wait_for_timeout(1200)
 
 
-def _visit_tabs(page, errors, tabs) -> None:
-    """Open each Playground tab (pressing its button), wait for its result, screenshot it."""
+def _shot(page, name: str) -> None:
+    _settle(page)
+    page.screenshot(path=str(ARTIFACTS / f"e2e-{name}.png"), full_page=True)
+
+
+def _set_code(page, code: str) -> None:
+    area = page.locator("textarea").first
+    area.fill(code)
+    area.press("Control+Enter")  # commits the text area's value to the app
+    _settle(page)
+
+
+def _press(page, tab: str | None, button: str) -> None:
+    if tab:
+        page.get_by_role("tab", name=tab, exact=True).click()
+    page.get_by_role("button", name=button, exact=True).click()
+
+
+def _errors(page):
+    return page.locator('[data-testid="stAlertContentError"]')
+
+
+def test_a_reload_restores_the_experiment(page):
     from playwright.sync_api import expect
 
-    for tab, button, ready in tabs:
-        page.get_by_role("tab", name=tab).click()
-        if button:
-            page.get_by_role("button", name=button, exact=True).click()
-        expect(page.get_by_text(ready, exact=False).first).to_be_visible(timeout=120_000)
-        _settle(page)
-        page.screenshot(path=str(ARTIFACTS / f"e2e-tab-{tab.lower().replace(' ', '-')}.png"),
-                        full_page=True)
-        assert errors.count() == 0, errors.first.inner_text()
+    _set_code(page, CAUSAL)
+    _press(page, "Check", "Check")
+    expect(page.get_by_text("Check passed for", exact=False)).to_be_visible(timeout=LONG)
+    expect(page.get_by_text(CAUSAL_KEPT, exact=False)).to_be_visible(timeout=LONG)
+    _shot(page, "reload-before")
+    assert "exp=" in page.url
+    url = page.url
+    page.reload(wait_until="domcontentloaded")
+    expect(page.get_by_text(CAUSAL_KEPT, exact=False)).to_be_visible(timeout=LONG)
+    page.get_by_role("tab", name="Check", exact=True).click()
+    expect(page.get_by_text("Check passed for float32, float16, bfloat16.")).to_be_visible(
+        timeout=60_000)
+    assert page.url == url
+    # A new session shows the syntax-highlighting editor again, holding the saved code.
+    ace = page.frame_locator("iframe[title='streamlit_ace.streamlit_ace']").locator(".ace_content")
+    expect(ace).to_contain_text("return q_idx >= kv_idx", timeout=30_000)
+    assert "WINDOW" not in ace.inner_text()
+    _shot(page, "reload-after")
+    assert _errors(page).count() == 0
 
 
-def test_edit_mod_and_check_in_browser(server):
-    from playwright.sync_api import expect, sync_playwright
+def test_a_worker_crash_is_reported_and_the_next_action_works(page):
+    from playwright.sync_api import expect
 
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        # Tall enough for the Check results: Streamlit scrolls inside its main block, so a
-        # full-page screenshot shows only what fits the viewport.
-        page = browser.new_page(viewport={"width": 1500, "height": 2200})
-        try:
-            page.goto(server, wait_until="domcontentloaded")
-            expect(page.get_by_role("heading", name="Playground")).to_be_visible(timeout=60_000)
-            # The template is checked on first load: its mask caption appears.
-            expect(page.get_by_text("positions (", exact=False).first).to_be_visible(timeout=180_000)
-            _settle(page)
-            page.screenshot(path=str(ARTIFACTS / "e2e-playground.png"), full_page=True)
-            errors = page.locator('[data-testid="stAlertContentError"]')
-            # The template's views: a windowed causal mask with an ALiBi bias.
-            _visit_tabs(page, errors, (("Block map", None, "Sparsity (blocks skipped)"),
-                                       ("Scores", None, "Scores after score_mod")))
+    _set_code(page, CRASH)
+    page.get_by_role("button", name="Visualise").click()
+    expect(page.get_by_text("The worker process died", exact=False)).to_be_visible(timeout=LONG)
+    expect(page.get_by_text("was killed (SIGKILL)", exact=False)).to_be_visible()
+    _shot(page, "worker-crash")
+    _set_code(page, CAUSAL)
+    page.get_by_role("button", name="Visualise").click()
+    expect(page.get_by_text(CAUSAL_KEPT, exact=False)).to_be_visible(timeout=LONG)
+    _shot(page, "worker-restarted")
+    assert _errors(page).count() == 0
 
-            editor = page.frame_locator("iframe[title='streamlit_ace.streamlit_ace']")
-            editor.locator(".ace_content").click()
-            page.keyboard.press("Control+A")
-            page.keyboard.press("Delete")
-            for i, line in enumerate(EDITED_LINES):
-                if i:
-                    page.keyboard.press("Enter")
-                page.keyboard.type(line, delay=20)
-                page.keyboard.press("Escape")
-            page.wait_for_timeout(1500)  # Ace sends its value after 200 ms without typing
 
-            page.get_by_role("tab", name="Check").click()
-            page.get_by_role("button", name="Check", exact=True).click()
-            verdict = page.get_by_text("Check passed for", exact=False).or_(
-                page.get_by_text("Check failed for", exact=False))
-            # An error box would mean the edit went wrong: stop waiting then too.
-            expect(verdict.or_(errors).first).to_be_visible(timeout=240_000)
-            page.screenshot(path=str(ARTIFACTS / "e2e-check.png"), full_page=True)
-            assert errors.count() == 0, errors.first.inner_text()
-            expect(page.get_by_text("Kept 8,256 of 16,384 positions", exact=False)).to_be_visible(
-                timeout=30_000)
-            _settle(page)
-            page.screenshot(path=str(ARTIFACTS / "e2e-check.png"), full_page=True)
-            assert page.get_by_text("Check passed for float32, float16, bfloat16").count() == 1, \
-                "flexcore should pass the check for a causal mask in every dtype"
-            assert page.get_by_text("Traceback").count() == 0
+def test_an_export_after_a_code_change_is_refused_as_stale(page):
+    from playwright.sync_api import expect
 
-            # The other tabs, run from the browser too.
-            _visit_tabs(page, errors, (("Triton code", None, "mask_mod_fn"),
-                                       ("Gradients", "Gradients", "max |grad"),
-                                       ("Benchmark", "Benchmark", "Median latency, ms"),
-                                       ("Export", "Prepare the report", "Download .json")))
+    _set_code(page, CAUSAL)
+    _press(page, "Check", "Check")
+    expect(page.get_by_text("Check passed for", exact=False)).to_be_visible(timeout=LONG)
+    _press(page, "Export", "Prepare the report")
+    expect(page.get_by_role("button", name="Download .html")).to_be_visible(timeout=LONG)
+    _shot(page, "export-current")
+    _set_code(page, CAUSAL.replace(">=", ">"))
+    page.get_by_role("tab", name="Export", exact=True).click()
+    expect(page.get_by_text("The report prepared earlier is stale", exact=False)).to_be_visible(
+        timeout=LONG)
+    assert page.get_by_role("button", name="Download .html").count() == 0
+    page.get_by_role("tab", name="Check", exact=True).click()
+    expect(page.get_by_text("Stale: these results were computed from other code",
+                            exact=False).first).to_be_visible()
+    page.get_by_role("tab", name="Export", exact=True).click()
+    _shot(page, "export-stale")
 
-            # The other pages, for a person to look at.
-            for name, ready in (("Gallery", "Open in Playground"), ("Environment", "Attention providers"),
-                                ("Benchmarks", "Run a preset on this machine")):
-                page.get_by_role("link", name=name).click()
-                expect(page.get_by_text(ready).first).to_be_visible(timeout=60_000)
-                _settle(page)
-                page.screenshot(path=str(ARTIFACTS / f"e2e-{name.lower()}.png"), full_page=True)
-                assert page.get_by_text("Traceback").count() == 0
 
-            # Back in the Playground, the editor still holds the edited mod.
-            page.get_by_role("link", name="Playground").click()
-            expect(page.get_by_text("Kept 8,256 of 16,384 positions", exact=False)).to_be_visible(
-                timeout=60_000)
-            text = page.frame_locator("iframe[title='streamlit_ace.streamlit_ace']").locator(
-                ".ace_content").inner_text()
-            assert "return q_idx >= kv_idx" in text and "WINDOW" not in text, text
-        finally:
-            browser.close()
+def test_an_unseeded_random_captured_tensor_gives_matching_gradients(page):
+    from playwright.sync_api import expect
+
+    _set_code(page, UNSEEDED)
+    _press(page, "Gradients", "Gradients")
+    verdict = page.get_by_text("Every gradient passed", exact=False).or_(
+        page.get_by_text("Gradients over the threshold", exact=False))
+    expect(verdict.first).to_be_visible(timeout=LONG)
+    _shot(page, "gradients-unseeded")
+    assert page.get_by_text("Every gradient passed", exact=False).count() == 1
+    cells = page.locator('[data-testid="stTable"] td').all_inner_texts()
+    assert "dbias" in cells and "FAIL" not in cells and cells.count("pass") >= 8, cells
+
+
+def test_two_mods_compare_side_by_side(page):
+    from playwright.sync_api import expect
+
+    _set_code(page, WINDOW)
+    _press(page, "Compare", "Compare")  # against the gallery's causal mask, the default
+    expect(page.get_by_text("Both keep", exact=False)).to_be_visible(timeout=LONG)
+    expect(page.get_by_text("max |difference|", exact=False)).to_be_visible()
+    # Causal keeps 8,256 positions, the window 32·33/2 + 96·32 = 3,600 of them.
+    for kept in ("3,600 of 16,384", "8,256 of 16,384"):
+        expect(page.locator('[data-testid="stTable"] td', has_text=kept)).to_be_visible()
+    _shot(page, "compare")
+    assert _errors(page).count() == 0
+
+
+def _results_file(path: Path) -> None:
+    """A bench results file with a TFLOP/s value whose digits a narrow cell would cut."""
+    base = {"run_id": "r", "variant": "causal", "batch": 4, "q_heads": 16, "kv_heads": 16,
+            "q_len": 4096, "kv_len": 4096, "head_dim": 128, "v_head_dim": 128, "dtype": "bfloat16",
+            "pass": "fwd", "density": 0.5, "status": "ok", "note": "", "ref_coverage": "all"}
+    rows = []
+    for provider, tflops, ms in (("flexlab", 440.0144, 0.3123), ("sdpa_flash", 389.5, 0.3528)):
+        case = {**base, "case_id": "causal|B4|H16/16|Q4096|KV4096|D128/128|bfloat16|fwd",
+                "provider": provider}
+        rows += [{**case, "metric": "tflops", "value": tflops, "unit": "TFLOP/s"},
+                 {**case, "metric": "time_ms", "value": ms, "unit": "ms"}]
+    path.write_text(json.dumps({"schema": "flexlab-bench/1", "name": "h200", "envs": [],
+                                "rows": rows}))
+
+
+def test_numbers_in_tables_are_not_truncated(context, server, tmp_path):
+    from playwright.sync_api import expect
+
+    page = context.new_page()
+    page.goto(server + "/benchmarks", wait_until="domcontentloaded")
+    expect(page.get_by_role("heading", name="Load result files")).to_be_visible(timeout=60_000)
+    _results_file(tmp_path / "results.json")
+    page.locator('[data-testid="stFileUploader"] input[type="file"]').set_input_files(
+        str(tmp_path / "results.json"))
+    expect(page.get_by_text("median latency (ms)").first).to_be_visible(timeout=60_000)
+    page.get_by_text("TFLOP/s", exact=True).first.click()
+    cell = page.locator('[data-testid="stTable"] td', has_text="440.01")
+    expect(cell).to_be_visible(timeout=60_000)
+    assert cell.inner_text().strip() == "440.01"
+    # The whole number fits its cell: nothing is cut off on either side.
+    fits = cell.evaluate("el => el.scrollWidth <= el.clientWidth + 1")
+    assert fits
+    _shot(page, "numbers-in-full")

@@ -8,7 +8,8 @@ import torch
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-from tests.app.test_pages import CAUSAL, ENTRY, LEARNABLE, error_text, no_exception, playground, texts  # noqa: E402
+from tests.app.helpers import (CAUSAL, ENTRY, LEARNABLE, UNSEEDED, click, no_exception,  # noqa: E402
+                                  open_tab, playground, problem_text, table, texts)
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -21,42 +22,38 @@ GPU_SHAPE = {"B": 2, "Hq": 8, "Hkv": 2, "Q_LEN": 2048, "KV_LEN": 2048, "D": 64, 
 def test_playground_is_in_gpu_mode_at_gpu_shapes():
     at = playground(CAUSAL, GPU_SHAPE)
     no_exception(at)
-    assert not at.error, error_text(at)
+    assert not at.error, problem_text(at)
     assert not any("CPU mode" in t for t in texts(at, "info") + texts(at, "warning"))
     L = GPU_SHAPE["Q_LEN"]
     assert f"Kept {L * (L + 1) // 2:,} of {L * L:,} positions" in " ".join(texts(at, "caption"))
-    assert len(at.get("plotly_chart")) >= 3
+    open_tab(at, "Scores")
+    assert len(at.get("plotly_chart")) == 3 and not at.error, problem_text(at)
 
 
 def test_check_passes_for_every_dtype_on_the_gpu():
-    at = playground(LEARNABLE, GPU_SHAPE)
-    at.button(key="pg_check_btn").click().run()
-    no_exception(at)
-    assert not at.error, error_text(at)
-    table = at.dataframe[0].value
-    assert list(table["result"]) == ["pass", "pass", "pass"], table
+    at = click(playground(LEARNABLE, GPU_SHAPE), "pg_check_btn")
+    assert not at.error, problem_text(at)
+    assert list(table(at, "max |err|")["result"]) == ["pass", "pass", "pass"]
 
 
 def test_gradients_on_the_gpu_compare_with_float64_and_torch_flex():
-    at = playground(LEARNABLE, GPU_SHAPE)
-    at.button(key="pg_grad_btn").click().run()
-    no_exception(at)
-    assert not at.error, error_text(at)
-    table = next(d.value for d in at.dataframe if "tensor" in d.value.columns)
-    rows = table[table["source"] == "flexcore"]
-    assert {"dQ", "dK", "dV", "dbias"} <= set(rows["tensor"])
-    assert "torch_flex" in set(table["source"]), set(table["source"])
+    at = click(playground(UNSEEDED, GPU_SHAPE), "pg_grad_btn")
+    assert not at.error, problem_text(at)
+    rows = table(at, "tensor")
+    flex = rows[rows["source"] == "flexcore"]
+    assert {"dQ", "dK", "dV", "dbias"} <= set(flex["tensor"])
+    assert "torch_flex" in set(rows["source"]), set(rows["source"])
+    assert set(flex["result"]) == {"pass"}, rows
 
 
 def test_benchmark_on_the_gpu_times_the_gpu_providers():
-    at = playground(CAUSAL, GPU_SHAPE)
-    at.button(key="pg_bench_btn").click().run()
-    no_exception(at)
-    assert not at.error, error_text(at)
+    at = click(playground(CAUSAL, GPU_SHAPE), "pg_bench_btn")
+    assert not at.error, problem_text(at)
     assert not any("not representative" in w for w in texts(at, "warning"))
-    table = next(d.value for d in at.dataframe if "provider" in d.value.columns)
-    assert {"flexlab", "torch_flex", "sdpa_flash", "sdpa_cudnn"} <= set(table["provider"]), table
-    assert at.get("plotly_chart")
+    rows = table(at, "median ms")
+    assert {"flexcore", "torch_flex", "sdpa_flash", "sdpa_cudnn"} <= set(rows["provider"]), rows
+    assert {"forward", "forward+backward"} <= set(rows["pass"])
+    assert all(cell.endswith("MiB") and cell != "0.0 MiB" for cell in rows["peak memory"])
 
 
 def test_environment_names_the_gpu():
@@ -67,4 +64,4 @@ def test_environment_names_the_gpu():
     assert "GPU mode" in success and torch.cuda.get_device_name() in success
     providers = at.table[0].value
     available = set(providers[providers["available"] == "yes"]["provider"])
-    assert {"flexlab", "torch_flex", "sdpa_cudnn"} <= available
+    assert {"flexcore", "torch_flex", "sdpa_cudnn"} <= available
