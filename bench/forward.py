@@ -2,7 +2,8 @@
 
 A thin entry over the runner: the ``anchors`` preset restricted to the forward pass (and decoding,
 with ``--decode``), providers flexlab, torch_flex, sdpa_flash and sdpa_cudnn. Writes results.json /
-results.csv into ``--out`` and prints the summary table.
+results.csv into ``--out`` and prints the summary table; exits as ``python -m bench run`` does
+(1 when nothing was measured or a correctness check failed).
 
 Example:
     python -m bench.forward --out results/forward
@@ -46,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
 
     path = runner.run(build(args), args.out, resume=args.resume, force=args.force)
     print_summary(path)
-    return 0
+    result = runner.verdict(runner.load_results(path)["rows"])
+    print(result.summary(), file=sys.stderr)
+    return result.exit_code()
 
 
 if __name__ == "__main__":

@@ -121,7 +121,12 @@ def eval_param(text: str, context: dict[str, int]) -> Any:
         raise VariantError(f"parameter {text!r}: only literals and arithmetic on "
                            f"{sorted(context)} are allowed")
 
-    return ev(ast.parse(text, mode="eval").body)
+    try:
+        return ev(ast.parse(text, mode="eval").body)
+    except VariantError:
+        raise
+    except (SyntaxError, ArithmeticError, TypeError, ValueError) as exc:
+        raise VariantError(f"parameter {text!r}: {type(exc).__name__}: {exc}") from None
 
 
 def shape_context(B: int, H: int, KV_HEADS: int, Q_LEN: int, KV_LEN: int, D: int) -> dict[str, int]:
@@ -240,25 +245,82 @@ def _resolve_term(term: Term, context: dict, device, dtype):
                 raise VariantError(f"mod file {path!r} defines neither score_mod, mask_mod nor make()")
             return score, mask, None
         return _as_mods(obj, term.name)
-    try:
-        import variants
-    except ImportError as exc:
-        raise VariantError(f"variant {term.name!r}: the variants registry cannot be imported ({exc}); "
-                           "give a mod file (path/to/mods.py) instead") from exc
-    getter = getattr(variants, "get", None)
-    if getter is None:
-        raise VariantError(f"variant {term.name!r}: the variants package has no get(name) yet")
-    try:
-        variant = getter(term.name)
-    except (KeyError, LookupError, ValueError) as exc:
-        names = _registry_names()
-        raise VariantError(f"unknown variant {term.name!r}" + (f"; known: {', '.join(names)}" if names
-                           else "") + " (or give a mod file path/to/mods.py)") from exc
+    variant = _registry_variant(term.name)
     make = getattr(variant, "make", None)
     if make is None:
         return _as_mods(variant, term.name)
     return _as_mods(_call_factory(make, params, context, device, dtype, f"variant {term.name!r}"),
                     f"variant {term.name!r}")
+
+
+def _registry_variant(name: str):
+    """The registry's variant ``name``; raises VariantError listing the known names."""
+    try:
+        import variants
+    except ImportError as exc:
+        raise VariantError(f"variant {name!r}: the variants registry cannot be imported ({exc}); "
+                           "give a mod file (path/to/mods.py) instead") from exc
+    getter = getattr(variants, "get", None)
+    if getter is None:
+        raise VariantError(f"variant {name!r}: the variants package has no get(name) yet")
+    try:
+        return getter(name)
+    except (KeyError, LookupError, ValueError) as exc:
+        names = _registry_names()
+        raise VariantError(f"unknown variant {name!r}" + (f"; known: {', '.join(names)}" if names
+                           else "") + " (or give a mod file path/to/mods.py)") from exc
+
+
+def check_spec(spec: str, context: dict) -> None:
+    """Check a variant spec at one case shape without building its mods: the grammar, parameter
+    values, registry names and parameters (types and ranges), and mod files (they are imported).
+
+    Raises:
+        VariantError: naming the spec and what is wrong, on one line.
+    """
+    try:
+        for term in split_terms(spec):
+            params = {k: eval_param(v, context) for k, v in term.params}
+            if term.name == "noop" and not params:
+                continue
+            if term.is_file:
+                _check_file_term(term, params)
+                continue
+            variant = _registry_variant(term.name)
+            resolve_params = getattr(variant, "resolve_params", None)
+            if resolve_params is not None:
+                try:
+                    resolve_params(**params)
+                except (ValueError, TypeError) as exc:
+                    raise VariantError(str(exc)) from None
+    except VariantError as exc:
+        text = " ".join(str(exc).split())
+        raise VariantError(text if spec in text else f"variant {spec!r}: {text}") from None
+
+
+def _check_file_term(term: Term, params: dict) -> None:
+    path, _, attr = term.name.partition(":")
+    module = _load_file(path)
+    obj = getattr(module, attr, None) if attr else module
+    if attr and obj is None:
+        raise VariantError(f"mod file {path!r} has no {attr!r}")
+    factory = getattr(obj, "make", None) if inspect.ismodule(obj) else obj
+    if inspect.ismodule(obj) and factory is None:
+        if not (hasattr(obj, "score_mod") or hasattr(obj, "mask_mod")):
+            raise VariantError(f"mod file {path!r} defines neither score_mod, mask_mod nor make()")
+        if params:
+            raise VariantError(f"mod file term {term.name!r} got parameters but defines no make(...)")
+        return
+    if params and callable(factory):
+        try:
+            accepted = inspect.signature(factory).parameters
+        except (TypeError, ValueError):
+            return
+        if not any(p.kind is p.VAR_KEYWORD for p in accepted.values()):
+            unknown = set(params) - set(accepted)
+            if unknown:
+                raise VariantError(f"{term.name} takes no parameter(s) {sorted(unknown)}; its "
+                                   f"parameters: {list(accepted)}")
 
 
 def _registry_names() -> list[str]:

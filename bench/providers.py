@@ -104,6 +104,43 @@ class FlexlabProvider(Provider):
         return Prepared(call, _block_mask_bytes(bm), "flexcore BlockMask" if bm is not None else "")
 
 
+class FlexlabCompiledProvider(Provider):
+    """flexcore.flex_attention called inside ``torch.compile(fullgraph=True)``, as a model compiled
+    for training calls it. A compile failure is an error row whose note gives Dynamo's reason."""
+
+    name = "flexlab_compiled"
+    description = "flexcore.flex_attention inside torch.compile(fullgraph=True)"
+
+    def available(self, device):
+        ok, why = FlexlabProvider().available(device)
+        return ok, (f"{why}, inside torch.compile(fullgraph=True)" if ok else why)
+
+    def prepare(self, ctx):
+        import flexcore
+
+        bm = ctx.flex_block_mask()
+        score_mod = ctx.mods.score_mod
+        gqa = ctx.case.gqa
+        backend = ctx.settings.compile_backend
+        raise_recompile_limits()
+        compiled = torch.compile(
+            lambda q, k, v: flexcore.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                                    enable_gqa=gqa),
+            fullgraph=True, dynamic=False, backend=backend)
+
+        def call(q, k, v):
+            try:
+                return compiled(q, k, v)
+            except Exception as exc:
+                if not is_compile_error(exc):
+                    raise
+                raise CompileFailed(f"torch.compile(fullgraph=True, backend={backend}) of "
+                                    f"flexcore.flex_attention failed: {compile_failure_text(exc)}") from exc
+
+        note = f"torch.compile(fullgraph=True, backend={backend})"
+        return Prepared(call, _block_mask_bytes(bm), note + ("; flexcore BlockMask" if bm is not None else ""))
+
+
 class FlexlabPagedProvider(Provider):
     """flexcore decoding over a paged KV cache (:class:`flexcore.PagedAttention`), pages scattered.
 
@@ -164,12 +201,11 @@ class FlexlabPagedProvider(Provider):
 # ---- torch flex_attention (compiled) ----------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
+def raise_recompile_limits() -> None:
+    """Let one compiled function recompile for every case of a run.
 
-    # Every variant's mods are a new closure, so each case recompiles; the default limit of 8
-    # recompiles would silently fall back to eager flex_attention after eight variants.
+    Every variant's mods are a new closure, so each case recompiles; the default limit of 8
+    recompiles would silently fall back to eager code after eight variants."""
     cfg = torch._dynamo.config
     for name in ("cache_size_limit", "recompile_limit"):
         if hasattr(cfg, name):
@@ -177,7 +213,36 @@ def _compiled_flex():
     for name in ("accumulated_cache_size_limit", "accumulated_recompile_limit"):
         if hasattr(cfg, name):
             setattr(cfg, name, max(getattr(cfg, name), 4096))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    raise_recompile_limits()
     return torch.compile(flex_attention, dynamic=False)
+
+
+class CompileFailed(RuntimeError):
+    """torch.compile could not compile a provider's call; the message says why, on one line."""
+
+
+def is_compile_error(exc: BaseException) -> bool:
+    """Whether an exception comes from torch.compile (Dynamo, AOTAutograd or Inductor), not from
+    running the compiled code's kernels."""
+    module = type(exc).__module__
+    return module.startswith(("torch._dynamo", "torch._inductor", "torch._functorch"))
+
+
+def compile_failure_text(exc: BaseException) -> str:
+    """One line: the exception type, its first line and Dynamo's "Explanation:" line if any (the
+    first line of Dynamo's errors is often a header such as "Observed exception")."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    explanation = next((line for line in lines if line.startswith("Explanation:")), None)
+    if explanation:
+        text += f" ({explanation[len('Explanation:'):].strip()})"
+    return text[:400]
 
 
 def _flash_cute_error() -> str | None:
@@ -487,7 +552,7 @@ class FlashAttn4Provider(FlashAttnProvider):
 # ---- registry ---------------------------------------------------------------------------------
 
 PROVIDERS: dict[str, Provider] = {p.name: p for p in (
-    FlexlabProvider(), FlexlabPagedProvider(), TorchFlexProvider(), TorchFlexFlashProvider(), SDPAMath(), SDPAEfficient(),
+    FlexlabProvider(), FlexlabCompiledProvider(), FlexlabPagedProvider(), TorchFlexProvider(), TorchFlexFlashProvider(), SDPAMath(), SDPAEfficient(),
     SDPAFlash(), SDPACudnn(), FlashAttnProvider(), FlashAttn4Provider())}
 
 

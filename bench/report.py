@@ -19,6 +19,8 @@ import io
 import math
 import os
 import shutil
+import tempfile
+import uuid
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +28,21 @@ from pathlib import Path
 from bench import env as env_mod
 from bench.runner import COLUMNS, load_results
 
-PASS_LABELS = {"fwd": "forward", "fwd_bwd": "forward+backward", "decode": "decode"}
+PASS_LABELS = {"fwd": "forward", "fwd_bwd": "forward+backward", "decode": "decode",
+               "train_step": "train step (block forward+backward)"}
 _BASELINE_ORDER = ("torch_flex", "sdpa_cudnn", "sdpa_flash", "sdpa_math")
 
 
-class ReportExistsError(FileExistsError):
+class ReportError(ValueError):
+    """A report cannot be written where asked (the message says why and what to do)."""
+
+
+class ReportExistsError(ReportError, FileExistsError):
     """The report folder exists; pass --force to overwrite it."""
+
+
+#: What a report folder holds; ``--force`` replaces only a folder that holds nothing else.
+REPORT_FILES = ("report.html", "summary.md", "results.csv", "figures")
 
 
 @dataclass
@@ -104,7 +115,7 @@ def build_cells(sources: list[Source]) -> tuple[dict, list[tuple], list[str]]:
                     cell.metrics.setdefault("_errors", []).append(f"{row['metric']}: {row.get('note')}")
                 if row["metric"] in ("time_ms", "compile_s") and row.get("note"):
                     cell.metrics.setdefault("_note", row["note"])
-    order = {"fwd": 0, "fwd_bwd": 1, "decode": 2}
+    order = {"fwd": 0, "fwd_bwd": 1, "decode": 2, "train_step": 3}
     variant_order = {}
     for s in sources:
         for row in s.rows:
@@ -137,9 +148,13 @@ def _cell_text(cell: Cell | None) -> str:
     if cell.status != "ok":
         return cell.status
     t, tf = cell.metrics.get("time_ms"), cell.metrics.get("tflops")
+    tokens = cell.metrics.get("tokens_per_s")
     if t is None:
         return "—"
-    text = f"{_fmt(tf)} ({_fmt(t)} ms)" if tf is not None else f"{_fmt(t)} ms"
+    if tokens is not None:  # a train step: throughput is what training cares about
+        text = f"{_fmt(tokens / 1e3)}k tok/s ({_fmt(t)} ms)"
+    else:
+        text = f"{_fmt(tf)} ({_fmt(t)} ms)" if tf is not None else f"{_fmt(t)} ms"
     if cell.metrics.get("_fails"):
         text += " ✗"
     return text
@@ -218,7 +233,7 @@ def status_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[s
 def speedups(sources, cells, keys, providers, baseline) -> dict:
     """{pass: {variant: {(source, provider): geometric-mean speed-up over the baseline}}}."""
     out: dict = defaultdict(lambda: defaultdict(dict))
-    for p_name in ("fwd", "fwd_bwd", "decode"):
+    for p_name in PASS_LABELS:
         for s in sources:
             for prov in providers:
                 if prov == baseline:
@@ -413,19 +428,60 @@ def write_report(results, out_dir, *, force: bool = False, labels=None, baseline
                  ) -> list[Path]:
     """Write the report of one or more results into ``out_dir``; return the written paths.
 
+    The inputs are read and checked first, the report is built in a temporary folder beside
+    ``out_dir`` and then moved into place: a bad input, or a failure while building, leaves an
+    existing report as it was.
+
     Raises:
+        ResultsFileError: an input is malformed (its path and the reason).
         ReportExistsError: ``out_dir`` exists and is not empty, and ``force`` is False.
+        ReportError: ``force`` on a folder that holds more than a report (a run folder, say).
     """
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        if not force:
+    inputs = list(results) if not isinstance(results, (str, os.PathLike)) else [results]
+    sources = load_sources(inputs, labels)
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            raise ReportError(f"report folder {out_dir} is a file; choose another --out")
+        present = sorted(p.name for p in out_dir.iterdir())
+        if present and not force:
             raise ReportExistsError(f"report folder {out_dir} exists; pass --force to overwrite it")
-        for name in ("report.html", "summary.md", "results.csv"):
-            (out_dir / name).unlink(missing_ok=True)
-        shutil.rmtree(out_dir / "figures", ignore_errors=True)
-    sources = load_sources(list(results) if not isinstance(results, (str, os.PathLike)) else [results],
-                           labels)
-    out_dir.mkdir(parents=True, exist_ok=True)
+        foreign = [name for name in present if name not in REPORT_FILES]
+        if foreign:
+            raise ReportError(f"report folder {out_dir} holds files that are not a report's "
+                              f"({', '.join(foreign[:5])}); --force replaces only a report folder, "
+                              "choose another --out")
+    resolved = out_dir.resolve()
+    for path in inputs:
+        p = Path(path).resolve()
+        if p == resolved or resolved in p.parents:
+            raise ReportError(f"--out {out_dir} would replace the input {path}; choose another --out")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        written = _build_report(sources, staging, baseline)
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes it private; a report is meant to be shared
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.{uuid.uuid4().hex[:8]}.old"
+            os.rename(out_dir, old)
+            os.rename(staging, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return [out_dir / p.relative_to(staging) for p in written]
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _build_report(sources: list[Source], out_dir: Path, baseline: str | None) -> list[Path]:
+    """Write the report files of ``sources`` into the (empty) folder ``out_dir``."""
     fig_dir = out_dir / "figures"
     fig_dir.mkdir(exist_ok=True)
     cells, keys, providers = build_cells(sources)
@@ -450,7 +506,8 @@ def write_report(results, out_dir, *, force: bool = False, labels=None, baseline
 
     title = "flexlab benchmark: " + " vs ".join(s.label for s in sources)
     md = [f"# {title}", "",
-          "Cells: TFLOP/s (median ms); FLOPs as in ANCHORS.md (bench.flops.attention_flops). "
+          "Cells: TFLOP/s (median ms); FLOPs as in ANCHORS.md (bench.flops.attention_flops); "
+          "train steps: thousands of tokens/s (median ms). "
           "✗ marks a correctness failure.", "", markdown_table(s_header, s_rows), "",
           "## Errors against float64", "", markdown_table(e_header, e_rows), ""]
     if st_rows:

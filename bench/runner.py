@@ -28,7 +28,8 @@ import torch
 from bench import env as env_mod
 from bench import providers as prov
 from bench.context import CaseContext, Slice, make_context
-from bench.grid import Case, Grid
+from bench.grid import Case, Grid, case_from_dict
+from bench.lock import FolderBusyError, FolderLock
 from bench.timing import GraphCaptureError, peak_memory, time_call, time_first_call
 
 SCHEMA_VERSION = "flexlab-bench/1"
@@ -95,7 +96,10 @@ METRICS = {
                                 "the masks the provider holds"),
     "tflops": ("TFLOP/s", "bench.flops.attention_flops / median time"),
     "gbps": ("GB/s", "decode only: bench.flops.decode_bytes / median time"),
-    "*_max_abs": ("abs", "max |x - golden| against float64, over the checked slices"),
+    "tokens_per_s": ("tokens/s", "train_step only: batch · sequence length / median step time"),
+    "loss": ("", "train_step only: sum(out · g) of the first input set (finite, else status fail)"),
+    "*_max_abs": ("abs", "max |x - golden| against float64, over the checked slices (train_step: "
+                         "out, dx, dparams of the whole block)"),
     "*_mean_abs": ("abs", "mean |x - golden|"),
     "*_rel_fro": ("rel", "||x - golden||_F / ||golden||_F"),
     "*_tolerance": ("abs", "2 * baseline max_abs + eps(dtype) (flexcore.testing.DEFAULT_EPS)"),
@@ -153,6 +157,14 @@ def read_jsonl(path: Path) -> list[dict]:
 
 class RunDirError(RuntimeError):
     """The output folder holds a previous run: resume it or replace it."""
+
+
+class RunDirBusy(RunDirError):
+    """Another process is writing the output folder (the message names it)."""
+
+
+class ResultsFileError(ValueError):
+    """A results file (or a run folder's JSON) is malformed; the message names the path and why."""
 
 
 # ---- one case --------------------------------------------------------------------------------
@@ -511,9 +523,18 @@ def _progress(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, unit="case", dynamic_ncols=True, file=sys.stderr)
 
 
-def prepare_out_dir(out_dir: Path, resume: bool, force: bool) -> list[dict]:
-    """Create the output folder; return the finished cases to keep (resume), or refuse."""
+def prepare_out_dir(out_dir: Path, resume: bool, force: bool, grid: Grid | None = None) -> list[dict]:
+    """Check the output folder (its lock held by the caller); return the finished cases to keep
+    (resume), or refuse.
+
+    Raises:
+        RunDirError: the folder holds a run and neither ``resume`` nor ``force`` is given, or
+            ``resume`` with a ``grid`` that differs from the stored one (the message names the
+            differing keys).
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
+    for leftover in out_dir.glob("*.tmp"):  # an atomic write cut short by a kill
+        leftover.unlink(missing_ok=True)
     jsonl = out_dir / "rows.jsonl"
     existing = read_jsonl(jsonl)
     if jsonl.exists() and not resume:
@@ -523,6 +544,23 @@ def prepare_out_dir(out_dir: Path, resume: bool, force: bool) -> list[dict]:
         for name in ("rows.jsonl", "results.json", "results.csv", "env.json", "config.json"):
             (out_dir / name).unlink(missing_ok=True)
         return []
+    if resume and grid is not None:
+        stored = _read_json(out_dir / "config.json") if (out_dir / "config.json").exists() else None
+        if stored is None and existing:
+            raise RunDirError(f"--resume: {out_dir} has finished cases but no config.json to compare "
+                              "the config with; pass --force to start over")
+        if stored is not None:
+            from bench.grid import config_differences
+
+            try:
+                differences = config_differences(stored, grid.to_dict())
+            except (TypeError, ValueError, KeyError) as exc:
+                raise RunDirError(f"--resume: {out_dir / 'config.json'} is not a bench config "
+                                  f"({type(exc).__name__}: {exc}); pass --force to start over") from None
+            if differences:
+                raise RunDirError(f"--resume: {out_dir} was run with another config; differing keys: "
+                                  + "; ".join(differences) + ". Resume with the same config, or pass "
+                                  "--force to start over")
     if resume and jsonl.exists():
         # Rewrite without a line cut short by the interruption, so appends start on a clean line.
         _atomic_write(jsonl, "".join(json.dumps(e) + "\n" for e in existing))
@@ -533,24 +571,45 @@ def run(grid: Grid, out_dir: str | Path, *, device: torch.device | str | None = 
         force: bool = False, progress: bool = True, log=None) -> Path:
     """Run a grid into ``out_dir`` and return the path of results.json.
 
+    The folder's lock (:class:`bench.lock.FolderLock`) is held from the first check to the last
+    write, so a second run or ``--resume`` on the same folder is refused while this one runs.
+
     Example:
         >>> from bench.grid import build_grid, load_config
         >>> run(build_grid(load_config("tiny"), "tiny"), "results/tiny")
+
+    Raises:
+        RunDirError: the folder holds a run (see :func:`prepare_out_dir`) or another process is
+            writing it (:class:`RunDirBusy`, naming that process).
+        ConfigError: invalid settings.
     """
     out_dir = Path(out_dir)
     device = torch.device(device) if device is not None else default_device()
+    grid.settings.validate()
     from flexcore._runtime import prepare_triton
 
     prepare_triton()  # before anything imports triton: the interpreter must be chosen first on CPUs
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    existing = prepare_out_dir(out_dir, resume, force)
+    try:
+        lock = FolderLock(out_dir, "bench run").acquire()
+    except FolderBusyError as exc:
+        raise RunDirBusy(str(exc)) from None
+    try:
+        return _run_locked(grid, out_dir, device, resume, force, progress, log)
+    finally:
+        lock.release()
+
+
+def _run_locked(grid: Grid, out_dir: Path, device: torch.device, resume: bool, force: bool,
+                progress: bool, log) -> Path:
+    existing = prepare_out_dir(out_dir, resume, force, grid)
     done = {e["case_id"] for e in existing}
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+    _atomic_write(out_dir / "config.json", json.dumps(grid.to_dict(), indent=2))
     env = {"run_id": run_id, **env_mod.capture(device)}
     env_path = out_dir / "env.json"
-    envs = json.loads(env_path.read_text()).get("runs", []) if (resume and env_path.exists()) else []
+    envs = _read_envs(env_path) if resume else []
     _atomic_write(env_path, json.dumps({"runs": envs + [env]}, indent=2))
-    _atomic_write(out_dir / "config.json", json.dumps(grid.to_dict(), indent=2))
     availability = prov.availability(device, grid.providers)
     for name, (ok, why) in availability.items():
         log(f"provider {name}: {'available' if ok else 'skipped'} ({why})")
@@ -568,7 +627,7 @@ def run(grid: Grid, out_dir: str | Path, *, device: torch.device | str | None = 
                     stopped_early = len(todo) - i
                     break
                 t0 = time.monotonic()
-                rows = CaseRunner(case, grid, device, run_id, availability).run()
+                rows = _case_runner(case)(case, grid, device, run_id, availability).run()
                 jsonl.write(json.dumps({"case_id": case.case_id, "rows": [r.to_dict() for r in rows]}) + "\n")
                 jsonl.flush()
                 os.fsync(jsonl.fileno())
@@ -588,57 +647,202 @@ def run(grid: Grid, out_dir: str | Path, *, device: torch.device | str | None = 
     return path
 
 
-def finalize(out_dir: Path, grid: Grid | None = None) -> Path:
-    """Write results.json and results.csv from rows.jsonl (atomically)."""
+def _case_runner(case: Case):
+    if case.pass_ == "train_step":
+        from bench.train_step import TrainStepRunner
+
+        return TrainStepRunner
+    return CaseRunner
+
+
+def _read_json(path: Path):
+    """A JSON file's data; raises ResultsFileError naming the path and the parser's reason."""
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ResultsFileError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column "
+                               f"{exc.colno})") from None
+    except UnicodeDecodeError as exc:
+        raise ResultsFileError(f"{path}: not a text file ({exc.reason})") from None
+
+
+def _read_envs(path: Path) -> list:
+    if not path.exists():
+        return []
+    data = _read_json(path)
+    if not isinstance(data, dict) or not isinstance(data.get("runs", []), list):
+        raise ResultsFileError(f"{path}: expected {{\"runs\": [environment, ...]}}")
+    return data.get("runs", [])
+
+
+def collect(out_dir: Path, grid: Grid | None = None) -> dict:
+    """The results.json payload of a run folder, from rows.jsonl (the record that survives an
+    interruption), env.json and config.json. Cases are counted once each, the first record kept;
+    records of cases outside config.json are left out and listed as ``cases_outside_config``."""
     out_dir = Path(out_dir)
-    cases = read_jsonl(out_dir / "rows.jsonl")
-    rows = [r for e in cases for r in e["rows"]]
-    env_path = out_dir / "env.json"
-    envs = json.loads(env_path.read_text()).get("runs", []) if env_path.exists() else []
+    envs = _read_envs(out_dir / "env.json")
     config_path = out_dir / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else (grid.to_dict() if grid else {})
-    total = len(config.get("cases", [])) or len(cases)
+    config = _read_json(config_path) if config_path.exists() else (grid.to_dict() if grid else {})
+    if not isinstance(config, dict):
+        raise ResultsFileError(f"{config_path}: expected a mapping, got {type(config).__name__}")
+    try:
+        planned = {case_from_dict(c).case_id for c in config.get("cases") or []}
+    except (TypeError, AttributeError) as exc:
+        raise ResultsFileError(f"{config_path}: 'cases' is not a list of cases ({exc})") from None
+    cases, seen, outside = [], set(), []
+    for entry in read_jsonl(out_dir / "rows.jsonl"):
+        if planned and entry["case_id"] not in planned:
+            outside.append(entry["case_id"])
+        elif entry["case_id"] not in seen:
+            seen.add(entry["case_id"])
+            cases.append(entry)
+    rows = [r for e in cases for r in e["rows"]]
+    total = len(planned) or len(cases)
     payload = {"schema": SCHEMA_VERSION, "name": config.get("name", out_dir.name), "columns": COLUMNS,
                "complete": len(cases) >= total, "cases_done": len(cases), "cases_total": total,
                "envs": envs, "config": config, "rows": rows}
+    if outside:  # only a hand-edited rows.jsonl has these: the lock and --resume's check prevent them
+        payload["cases_outside_config"] = outside
+    return payload
+
+
+def finalize(out_dir: Path, grid: Grid | None = None) -> Path:
+    """Write results.json and results.csv from rows.jsonl (atomically); the caller holds the
+    folder's lock."""
+    out_dir = Path(out_dir)
+    payload = collect(out_dir, grid)
     path = out_dir / "results.json"
     _atomic_write(path, json.dumps(payload, indent=1))
-    write_csv(out_dir / "results.csv", rows)
+    write_csv(out_dir / "results.csv", payload["rows"])
     return path
 
 
+#: Columns a results row must have for the reports: the case, the provider and the measurement.
+REQUIRED_COLUMNS = ("variant", "batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
+                    "pass", "provider", "metric", "value", "status")
+_INT_COLUMNS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "v_head_dim")
+
+
+def _check_rows(path: Path, rows) -> list[dict]:
+    if not isinstance(rows, list):
+        raise ResultsFileError(f"{path}: 'rows' is {type(rows).__name__}, expected a list of rows")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ResultsFileError(f"{path}: row {i} is {type(row).__name__}, expected a mapping")
+        missing = [c for c in REQUIRED_COLUMNS if c not in row]
+        if missing:
+            raise ResultsFileError(f"{path}: row {i} lacks column(s) {missing}")
+        for c in _INT_COLUMNS:
+            value = row.get(c)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ResultsFileError(f"{path}: row {i} has {c}={value!r}, expected an integer")
+        value = row.get("value")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ResultsFileError(f"{path}: row {i} has value={value!r}, expected a number or null")
+    return rows
+
+
 def load_results(path: str | Path) -> dict:
-    """Read a results.json, a results.csv, or a run folder (results.json, else rows.jsonl)."""
+    """Read a results.json, a results.csv, or a run folder (from its rows.jsonl when it has one, so
+    that an interrupted or running run reads as far as it got; nothing is written).
+
+    Raises:
+        FileNotFoundError: nothing to read at ``path``.
+        ResultsFileError: a malformed file, with its path and the reason.
+    """
     path = Path(path)
     if path.is_dir():
-        if (path / "rows.jsonl").exists() and os.access(path, os.W_OK):
-            finalize(path)  # results.json may predate an interrupted or resumed segment
+        if (path / "rows.jsonl").exists():
+            data = collect(path)
+            _check_rows(path / "rows.jsonl", data["rows"])
+            return data
         if (path / "results.json").exists():
             return load_results(path / "results.json")
-        if (path / "rows.jsonl").exists():
-            rows = [r for e in read_jsonl(path / "rows.jsonl") for r in e["rows"]]
-            env_path = path / "env.json"
-            envs = json.loads(env_path.read_text()).get("runs", []) if env_path.exists() else []
-            return {"schema": SCHEMA_VERSION, "name": path.name, "envs": envs, "rows": rows}
         raise FileNotFoundError(f"{path} holds no results.json or rows.jsonl")
     if not path.exists():
         raise FileNotFoundError(f"results file {path} does not exist")
     if path.suffix == ".csv":
         import csv
 
-        with open(path, newline="") as f:
-            rows = []
-            for r in csv.DictReader(f):
-                for k in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "v_head_dim"):
-                    r[k] = int(r[k]) if r.get(k) not in (None, "") else None
-                for k in ("density", "value"):
-                    r[k] = float(r[k]) if r.get(k) not in (None, "") else None
-                rows.append(r)
-        env_path = path.parent / "env.json"
-        envs = json.loads(env_path.read_text()).get("runs", []) if env_path.exists() else []
+        try:
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
+                if missing:
+                    raise ResultsFileError(f"{path}: not a bench results CSV (no column(s) {missing})")
+                rows = []
+                for line, r in enumerate(reader, start=2):
+                    for k in _INT_COLUMNS:
+                        try:
+                            r[k] = int(r[k]) if r.get(k) not in (None, "") else None
+                        except ValueError:
+                            raise ResultsFileError(f"{path} line {line}: {k}={r[k]!r} is not an "
+                                                   "integer") from None
+                    for k in ("density", "value"):
+                        try:
+                            r[k] = float(r[k]) if r.get(k) not in (None, "") else None
+                        except ValueError:
+                            raise ResultsFileError(f"{path} line {line}: {k}={r[k]!r} is not a "
+                                                   "number") from None
+                    rows.append(r)
+        except (UnicodeDecodeError, csv.Error) as exc:
+            raise ResultsFileError(f"{path}: not a readable CSV ({exc})") from None
+        envs = _read_envs(path.parent / "env.json")
         return {"schema": SCHEMA_VERSION, "name": path.parent.name, "envs": envs, "rows": rows}
-    data = json.loads(path.read_text())
+    data = _read_json(path)
     if not isinstance(data, dict) or "rows" not in data:
-        raise ValueError(f"{path} is not a bench results file (no 'rows')")
+        raise ResultsFileError(f"{path}: not a bench results file (no 'rows')")
+    _check_rows(path, data["rows"])
     return data
 
+
+# ---- the exit status -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a finished run says to scripts: see :func:`verdict`."""
+
+    measured: int  #: (case, provider) pairs with a time
+    errors: int  #: (case, provider) pairs whose status is error
+    failed_checks: list  #: "case_id provider metric" of correctness checks over tolerance
+    not_run: int  #: (case, provider) pairs skipped or unsupported
+
+    @property
+    def nothing_measured(self) -> bool:
+        return self.measured == 0
+
+    def exit_code(self, keep_going: bool = False) -> int:
+        """0 when something was measured and every check passed (or ``keep_going``), else 1."""
+        if self.nothing_measured or (self.failed_checks and not keep_going):
+            return 1
+        return 0
+
+    def summary(self) -> str:
+        text = (f"{self.measured} measured, {self.errors} errors, {self.not_run} skipped or unsupported, "
+                f"{len(self.failed_checks)} correctness checks failed")
+        if self.failed_checks:
+            text += f" (first: {self.failed_checks[0]})"
+        return text
+
+
+def verdict(rows: list[dict]) -> Verdict:
+    """Count a run's rows: which (case, provider) pairs were timed, errored or did not run, and
+    which correctness checks failed."""
+    status: dict = {}
+    timed, failed = set(), []
+    for r in rows:
+        if r["provider"] == "baseline":
+            continue
+        key = (r.get("case_id"), r["provider"])
+        if r["metric"] == "status":
+            status[key] = r["status"]
+        elif r["metric"] == "time_ms" and r["status"] == "ok":
+            timed.add(key)
+        elif r["status"] == "error":
+            status.setdefault(key, "error")
+        if r["status"] == "fail":
+            failed.append(f"{r.get('case_id')} {r['provider']} {r['metric']}")
+    errors = sum(1 for k, v in status.items() if v == "error" and k not in timed)
+    not_run = sum(1 for v in status.values() if v in ("skipped", "unsupported"))
+    return Verdict(len(timed), errors, failed, not_run)

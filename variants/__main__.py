@@ -3,6 +3,11 @@
 Examples:
     python -m variants list
     python -m variants show sliding_window --window_size 512 --seq 2048 --out mask.png
+    python -m variants show bigbird --block-size 32 --plot-block-size 64 --out bigbird.png
+
+Every ``--name value`` that is not one of ``show``'s own options below is a variant parameter
+(dashes and underscores are the same): ``--block-size 32`` sets bigbird's ``block_size``. The
+block size of the plotted block map is ``--plot-block-size``.
 """
 from __future__ import annotations
 
@@ -15,6 +20,12 @@ import torch
 from flexcore.errors import FlexError
 from variants.core import Variant, VariantError
 from variants.registry import get, names
+
+#: Largest preview: the token-mask and score panels hold Q_LEN × KV_LEN values each.
+MAX_PREVIEW_LEN = 8192
+MAX_PREVIEW_HEADS = 256  #: batch and heads of a preview (the captured tensors are sized for them)
+#: Image formats ``--out`` may name (matplotlib writes each from the suffix).
+OUT_SUFFIXES = (".png", ".svg", ".pdf")
 
 #: Problem used by ``list`` for the default sparsity: two batch elements and two heads, so that
 #: per-batch and per-head masks show their average.
@@ -59,6 +70,9 @@ def parse_param_args(variant: Variant, tokens: list[str]) -> dict:
                                f"given as --name value")
         name, equals, value = token[2:].partition("=")
         name = name.replace("-", "_")
+        if name == "block_size" and name not in variant.param_names:
+            raise VariantError(f"{variant.name} has no parameter 'block_size'; the block size of the "
+                               f"plotted block map is --plot-block-size")
         param = variant.param(name)  # raises with the list of valid parameters
         if not equals:
             if i + 1 >= len(tokens):
@@ -71,9 +85,58 @@ def parse_param_args(variant: Variant, tokens: list[str]) -> dict:
     return variant.resolve_params(**values)
 
 
+def check_out(out: str | Path) -> Path:
+    """``--out``: an image file whose folder exists. Raises VariantError saying what is valid."""
+    path = Path(out)
+    if path.suffix.lower() not in OUT_SUFFIXES:
+        raise VariantError(f"--out {str(out)!r}: expected a file ending in {', '.join(OUT_SUFFIXES)}")
+    if path.is_dir():
+        raise VariantError(f"--out {str(out)!r} is a folder; give a file name such as mask.png")
+    folder = path.parent
+    if not folder.is_dir():
+        raise VariantError(f"--out {str(out)!r}: folder {str(folder)!r} does not exist; create it first")
+    return path
+
+
+def check_preview(seq_len: int, kv_len: int | None, block_size: int, batch: int, heads: int,
+                  b: int, h: int) -> None:
+    """The preview's sizes, before anything is allocated. Raises VariantError naming the flag."""
+    for flag, value, high in (("--seq", seq_len, MAX_PREVIEW_LEN), ("--kv-seq", kv_len, MAX_PREVIEW_LEN),
+                              ("--batch", batch, MAX_PREVIEW_HEADS), ("--heads", heads, MAX_PREVIEW_HEADS)):
+        if value is None:
+            continue
+        if value < 1:
+            raise VariantError(f"{flag} {value}: expected a positive integer")
+        if value > high:
+            raise VariantError(f"{flag} {value}: previews are capped at {high} (the plot draws every "
+                               f"position; use `python -m variants describe` or flexcore for larger "
+                               f"shapes)")
+    if block_size < 1:
+        raise VariantError(f"--plot-block-size {block_size}: expected a positive integer")
+    if not (0 <= b < batch and 0 <= h < heads):
+        raise VariantError(f"--b {b} / --h {h} must lie in [0, {batch}) / [0, {heads})")
+
+
+def plotted_mask(mods, b: int, h: int) -> torch.Tensor:
+    """The (Q_LEN, KV_LEN) bool mask of batch element ``b`` and head ``h`` alone: the mods see those
+    indices, and nothing of size B·H·Q_LEN·KV_LEN is built."""
+    from flexcore import create_mask, noop_mask
+
+    mask_mod = mods.mask_mod or noop_mask
+
+    def one(b_idx, h_idx, q_idx, kv_idx):
+        return mask_mod(b_idx + b, h_idx + h, q_idx, kv_idx)
+
+    return create_mask(one, 1, 1, mods.shape.Q_LEN, mods.shape.KV_LEN, device="cpu")[0, 0]
+
+
 def show(name: str, params: dict, seq_len: int, out: str | Path, kv_len: int | None = None,
          block_size: int = 128, batch: int = 1, heads: int = 8, b: int = 0, h: int = 0) -> str:
     """Plot the token-level mask, the block map and (for score mods) the bias of one (b, h).
+
+    Args:
+        block_size: the block size of the plotted BlockMask (``--plot-block-size``), not a
+            variant parameter.
 
     Returns:
         The text printed by the command: the mods' names and the block counts.
@@ -85,18 +148,19 @@ def show(name: str, params: dict, seq_len: int, out: str | Path, kv_len: int | N
     from matplotlib.colors import ListedColormap
     from matplotlib.ticker import MaxNLocator
 
-    from flexcore import create_mask, noop_mask
-
+    out = check_out(out)
+    check_preview(seq_len, kv_len, block_size, batch, heads, b, h)
     variant = get(name)
+    if kv_len is None and variant.default_kv_len(seq_len, **params) > MAX_PREVIEW_LEN:
+        raise VariantError(f"{variant.name}'s key length at --seq {seq_len} is "
+                           f"{variant.default_kv_len(seq_len, **params)}, over the preview cap "
+                           f"{MAX_PREVIEW_LEN}; give a smaller --seq or --kv-seq")
     mods = variant.make(B=batch, H=heads, Q_LEN=seq_len, KV_LEN=kv_len, **params)
-    if not (0 <= b < batch and 0 <= h < heads):
-        raise VariantError(f"--b {b} / --h {h} must lie in [0, {batch}) / [0, {heads})")
     shape = mods.shape
     block_mask = mods.create_block_mask(BLOCK_SIZE=block_size)
     mb, mh = (b if mods.batch_dependent else 0), (h if mods.head_dependent else 0)
     block_map = block_mask.block_map()[mb, mh]
-    dense = create_mask(mods.mask_mod or noop_mask, batch, heads, shape.Q_LEN, shape.KV_LEN,
-                        device="cpu")[b, h]
+    dense = plotted_mask(mods, b, h)
 
     panels = 3 if mods.score_mod is not None else 2
     figure, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 5.0))
@@ -135,9 +199,20 @@ def show(name: str, params: dict, seq_len: int, out: str | Path, kv_len: int | N
             f"wrote {out}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``error: ...``, exit status 2). Options are never
+    abbreviated: ``show`` passes every unknown ``--name`` on to the variant."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {' '.join(message.split())} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m variants", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="python -m variants", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     listing = commands.add_parser("list", help="table of every variant")
     listing.add_argument("--seq", type=int, default=4096, help="sequence length for sparsity")
     describe = commands.add_parser("describe", help="a variant's description and parameters")
@@ -145,17 +220,23 @@ def _parser() -> argparse.ArgumentParser:
     shower = commands.add_parser(
         "show", help="plot a variant's mask and block map",
         description="Plot a variant's token mask and block map. Variant parameters are given as "
-                    "--name value (see `describe NAME`).")
+                    "--name value (see `describe NAME`); dashes and underscores are the same, so "
+                    "--block-size sets a variant's block_size. The plot's own block size is "
+                    "--plot-block-size.")
     shower.add_argument("name")
-    shower.add_argument("--seq", type=int, default=1024, help="query length (default 1024)")
+    shower.add_argument("--seq", type=int, default=1024,
+                        help=f"query length (default 1024, at most {MAX_PREVIEW_LEN})")
     shower.add_argument("--kv-seq", type=int, default=None, help="key length (default: the "
-                        "variant's own, usually --seq)")
-    shower.add_argument("--block-size", type=int, default=128)
+                        f"variant's own, usually --seq; at most {MAX_PREVIEW_LEN})")
+    shower.add_argument("--plot-block-size", type=int, default=128,
+                        help="block size of the plotted block map (default 128); not a variant "
+                             "parameter")
     shower.add_argument("--batch", type=int, default=1)
     shower.add_argument("--heads", type=int, default=8)
     shower.add_argument("--b", type=int, default=0, help="batch element to plot")
     shower.add_argument("--h", type=int, default=0, help="head to plot")
-    shower.add_argument("--out", required=True, help="PNG file to write")
+    shower.add_argument("--out", required=True,
+                        help=f"image to write ({', '.join(OUT_SUFFIXES)}), in an existing folder")
     return parser
 
 
@@ -173,10 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             variant = get(args.name)
             params = parse_param_args(variant, rest)
             print(show(variant.name, params, args.seq, args.out, kv_len=args.kv_seq,
-                       block_size=args.block_size, batch=args.batch, heads=args.heads,
+                       block_size=args.plot_block_size, batch=args.batch, heads=args.heads,
                        b=args.b, h=args.h))
     except (VariantError, FlexError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     return 0
 

@@ -11,6 +11,7 @@ def test_list_presets_and_providers(capsys):
     assert main(["list-presets"]) == 0
     out = capsys.readouterr().out
     assert "anchors" in out and "tiny" in out and "34 cases" in out
+    assert "small" in out and "train-step" in out
     assert main(["list-providers", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "sdpa_math" in out and "torch_flex" in out and "skipped here" in out
@@ -40,14 +41,27 @@ def test_errors_exit_2_with_a_message(tmp_path, capsys):
     assert "cuda_graphs='decode,bwd'" in capsys.readouterr().err
 
 
+class _Stop(Exception):
+    """Raised by a stand-in runner once it has seen the grid."""
+
+
 def test_no_pin_host_reaches_the_settings(monkeypatch, tmp_path):
+    import pytest
+
     from bench import runner
     seen = {}
-    monkeypatch.setattr(runner, "run", lambda grid, *a, **k: seen.setdefault("settings", grid.settings) and 0)
-    main(["run", "--config", "tiny", "--no-pin-host", "--out", str(tmp_path / "p")])
+
+    def fake_run(grid, *a, **k):
+        seen["settings"] = grid.settings
+        raise _Stop
+
+    monkeypatch.setattr(runner, "run", fake_run)
+    with pytest.raises(_Stop):
+        main(["run", "--config", "tiny", "--no-pin-host", "--out", str(tmp_path / "p")])
     assert seen["settings"].pin_host is False
     seen.clear()
-    main(["run", "--config", "tiny", "--out", str(tmp_path / "q")])
+    with pytest.raises(_Stop):
+        main(["run", "--config", "tiny", "--out", str(tmp_path / "q")])
     assert seen["settings"].pin_host is True
 
 

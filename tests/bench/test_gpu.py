@@ -108,3 +108,58 @@ def test_graph_timing_measures_the_gpu_and_reports_capture_failures():
 def test_learnable_bias_gradient_is_compared(gpu_run):
     rows = _get(gpu_run, "relative_bias(max_distance=64)", "torch_flex", "dtable_correct")
     assert rows and rows[0]["value"] == 1
+
+
+def _provider_rows(rows, provider):
+    return {(r["case_id"], r["metric"]): r for r in rows if r["provider"] == provider}
+
+
+def _compiled_flexcore_ok_or_explained(rows, what):
+    """flexlab_compiled rows: correct, or an error whose note gives torch.compile's reason."""
+    for (case, metric), r in _provider_rows(rows, "flexlab_compiled").items():
+        if metric == "status":
+            assert r["status"] == "error" and f"torch.compile(fullgraph=True, backend=inductor) of {what} failed" \
+                in r["note"], r
+        elif metric.endswith("_correct"):
+            assert r["value"] == 1, r
+
+
+def test_small_preset_rows_are_unpinned_and_correct(tmp_path):
+    from bench import runner
+    from bench.grid import build_grid, load_config
+
+    grid = build_grid(load_config("small"), "small", passes=["fwd_bwd"],
+                      overrides={"shapes": [[1, 1024]], "heads": [8], "head_dim": [64]},
+                      settings={"rep_ms": 20, "warmup_ms": 5, "min_reps": 5, "max_reps": 20})
+    assert len(grid.cases) == 3 and grid.settings.pin_host is False
+    rows = json.loads(runner.run(grid, tmp_path / "small", progress=False).read_text())["rows"]
+    for provider in ("flexlab", "torch_flex"):
+        mine = _provider_rows(rows, provider)
+        correct = [r for (_, m), r in mine.items() if m.endswith("_correct")]
+        assert correct and all(r["value"] == 1 for r in correct), provider
+        times = [r for (_, m), r in mine.items() if m == "time_ms"]
+        assert len(times) == 3 and all("host threads on core" not in r["note"] for r in times)
+    _compiled_flexcore_ok_or_explained(rows, "flexcore.flex_attention")
+
+
+def test_train_step_rows_on_the_gpu(tmp_path):
+    from bench import runner
+    from bench.grid import build_grid
+
+    # A realistic block at a quarter of the preset's size: d_model 512, 4k tokens.
+    grid = build_grid({"providers": ["flexlab", "flexlab_compiled", "torch_flex"],
+                       "settings": {"rep_ms": 20, "warmup_ms": 5, "min_reps": 5, "max_reps": 20,
+                                    "pin_host": False},
+                       "groups": [{"variants": ["causal", "alibi_causal"], "shapes": [[2, 2048]],
+                                   "heads": [[8, 4]], "head_dim": [64], "dtype": ["bfloat16"],
+                                   "passes": ["train_step"]}]}, "train")
+    rows = json.loads(runner.run(grid, tmp_path / "train", progress=False).read_text())["rows"]
+    for provider in ("flexlab", "torch_flex"):
+        mine = _provider_rows(rows, provider)
+        assert not [r for (_, m), r in mine.items() if m == "status"], provider
+        for case in {c for c, _ in mine}:
+            for key in ("out", "dx", "dparams"):
+                assert mine[(case, f"{key}_correct")]["value"] == 1, (provider, case, key)
+            tokens = mine[(case, "tokens_per_s")]["value"]
+            assert tokens == pytest.approx(2 * 2048 / (mine[(case, "time_ms")]["value"] * 1e-3))
+    _compiled_flexcore_ok_or_explained(rows, "the block")

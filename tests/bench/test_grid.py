@@ -109,3 +109,30 @@ def test_cuda_graph_passes():
                           ("fwd, decode", {"fwd", "decode"})):
         grid = build_grid({**base, "settings": {"cuda_graphs": value}})
         assert grid.settings.graph_passes() == passes, value
+
+
+def test_small_preset_is_training_shapes_unpinned():
+    grid = build_grid(load_config("small"), "small")
+    assert {c.q_len for c in grid.cases} == {512, 1024, 2048}
+    assert {c.head_dim for c in grid.cases} == {64, 128}
+    assert {c.batch * c.q_heads for c in grid.cases} == {8, 16, 32, 64}
+    assert {c.variant.split("(")[0] for c in grid.cases} == {"causal", "alibi_causal", "document"}
+    assert {c.pass_ for c in grid.cases} == {"fwd", "fwd_bwd"}
+    assert grid.settings.pin_host is False
+    assert {"flexlab", "flexlab_compiled", "torch_flex"} == set(grid.providers)
+
+
+def test_fingerprint_ignores_order_and_max_minutes_but_not_what_is_measured():
+    from bench.grid import config_differences, fingerprint
+
+    grid = build_grid(load_config("tiny"), "tiny")
+    data = grid.to_dict()
+    reordered = {**data, "cases": data["cases"][::-1], "providers": data["providers"][::-1],
+                 "settings": {**data["settings"], "max_minutes": 7}}
+    assert fingerprint(reordered) == data["fingerprint"] and not config_differences(data, reordered)
+    slower = {**data, "settings": {**data["settings"], "rep_ms": 50}}
+    assert config_differences(data, slower) == ["settings.rep_ms: 100.0 -> 50.0"]
+    assert fingerprint(slower) != data["fingerprint"]
+    # A config.json written before settings gained a field compares equal to today's defaults.
+    old = {**data, "settings": {k: v for k, v in data["settings"].items() if k != "compile_backend"}}
+    assert not config_differences(old, data)

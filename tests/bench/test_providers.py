@@ -64,3 +64,41 @@ def test_sdpa_math_matches_the_float64_reference():
 def test_flash_attn_provider_is_skipped_with_its_reason_on_cpu():
     ok, why = prov.get("flash_attn").available(CPU)
     assert not ok and "CUDA" in why
+
+
+def test_flexlab_compiled_runs_or_says_why_it_does_not_compile(tmp_path):
+    """flexcore inside torch.compile(fullgraph=True): a correct result, or an error row whose note
+    gives torch.compile's reason (never a silent eager fallback: fullgraph refuses graph breaks)."""
+    import json
+
+    from bench import runner
+    from bench.grid import build_grid
+
+    grid = build_grid({"providers": ["flexlab_compiled"],
+                       "settings": {"compile_backend": "aot_eager", "cpu_reps": 1, "block_size": 32},
+                       "groups": [{"variants": [CAUSAL], "shapes": [[1, 32]], "heads": [2],
+                                   "head_dim": [16], "dtype": ["float32"], "passes": ["fwd"]}]})
+    rows = json.loads(runner.run(grid, tmp_path / "r", device=CPU, progress=False,
+                                 log=lambda m: None).read_text())["rows"]
+    mine = {r["metric"]: r for r in rows if r["provider"] == "flexlab_compiled"}
+    if "status" in mine:
+        note = mine["status"]["note"]
+        assert mine["status"]["status"] == "error"
+        assert "torch.compile(fullgraph=True, backend=aot_eager) of flexcore.flex_attention failed: " in note
+        assert len(note.split("failed: ", 1)[1]) > 20  # the reason itself, not only a header
+    else:
+        assert mine["out_correct"]["value"] == 1 and mine["time_ms"]["value"] > 0
+        assert mine["compile_s"]["note"].startswith("torch.compile(fullgraph=True, backend=aot_eager)")
+
+
+def test_compile_failure_text_keeps_dynamos_explanation():
+    class Unsupported(Exception):
+        pass
+
+    Unsupported.__module__ = "torch._dynamo.exc"
+    exc = Unsupported("Attempted to call function marked as skipped\n  Explanation: Dynamo does not "
+                      "know how to trace the builtin `posix.putenv.`\n  Hint: wrap it")
+    assert prov.is_compile_error(exc) and not prov.is_compile_error(RuntimeError("CUDA error"))
+    assert prov.compile_failure_text(exc) == ("Unsupported: Attempted to call function marked as "
+                                              "skipped (Dynamo does not know how to trace the "
+                                              "builtin `posix.putenv.`)")

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import variants
 from variants.__main__ import main
@@ -35,7 +36,7 @@ def test_show_writes_png_and_prints_block_counts(tmp_path, capsys):
 
     out = tmp_path / "mask.png"
     assert main(["show", "sliding_window", "--window_size", "100", "--seq", "512",
-                 "--block-size", "64", "--out", str(out)]) == 0
+                 "--plot-block-size", "64", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     # 8 x 8 blocks of 64; offsets q - kv in [0, 100) touch the diagonal (8 blocks), the first
     # (7) and the second (6, offsets 65..191) sub-diagonals, none of them whole.
@@ -87,7 +88,70 @@ def test_module_entry_point(tmp_path):
     out = tmp_path / "natten.png"
     result = subprocess.run(
         [sys.executable, "-m", "variants", "show", "natten", "--seq", "144", "--image_height",
-         "12", "--image_width", "12", "--kernel_size", "3", "--block-size", "16", "--out",
+         "12", "--image_width", "12", "--kernel_size", "3", "--plot-block-size", "16", "--out",
          str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "natten_12x12_k3" in result.stdout and out.exists()
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["show", "causal", "--out", "{tmp}/mask.txt"], ["--out", "mask.txt", ".png, .svg, .pdf"]),
+    (["show", "causal", "--out", "{tmp}/missing/mask.png"], ["folder", "missing", "does not exist"]),
+    (["show", "causal", "--out", "{tmp}"], ["expected a file ending in"]),
+    # 100000² positions would be an 80 GB mask: refused before anything is allocated.
+    (["show", "causal", "--seq", "100000", "--out", "{tmp}/mask.png"], ["--seq 100000", "capped at 8192"]),
+    (["show", "causal", "--kv-seq", "9000", "--out", "{tmp}/mask.png"], ["--kv-seq 9000", "capped"]),
+    (["show", "causal", "--heads", "100000", "--out", "{tmp}/mask.png"], ["--heads 100000", "capped"]),
+    (["show", "causal", "--seq", "0", "--out", "{tmp}/mask.png"], ["--seq 0", "positive"]),
+    (["show", "causal", "--plot-block-size", "0", "--out", "{tmp}/mask.png"], ["--plot-block-size 0"]),
+    (["show", "causal", "--block-size", "64", "--out", "{tmp}/mask.png"],
+     ["no parameter 'block_size'", "--plot-block-size"]),
+])
+def test_show_refuses_bad_outputs_and_sizes_in_one_line(argv, words, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    for word in words:
+        assert word in line, line
+    assert not list(tmp_path.rglob("*.png")) and not list(tmp_path.rglob("*.txt"))
+
+
+def test_show_argparse_errors_are_one_line(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        main(["show", "causal", "--seq", "abc", "--out", str(tmp_path / "m.png")])
+    assert exc.value.code == 2
+    assert "--seq" in _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("flag", ["--block-size", "--block_size"])
+def test_variant_parameters_keep_their_names_beside_the_plot_options(flag, tmp_path, capsys):
+    out = tmp_path / "bigbird.svg"
+    assert main(["show", "bigbird", flag, "32", "--seq", "256", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    # The variant's block_size is 32 (its name says so); the plot keeps its default 128 blocks.
+    assert "bigbird_32_" in printed and "BLOCK_SIZE=128" in printed and out.stat().st_size > 1000
+    assert main(["show", "bigbird", flag, "32", "--seq", "256", "--plot-block-size", "64",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "bigbird_32_" in printed and "BLOCK_SIZE=64" in printed
+
+
+# A per-batch mask, and one with per-head random blocks.
+@pytest.mark.parametrize("name, params", [("prefix_lm", {}), ("bigbird", {"block_size": 16})])
+def test_the_plotted_mask_is_that_of_the_chosen_batch_and_head(name, params):
+    from flexcore import create_mask
+    from variants.__main__ import plotted_mask
+
+    mods = variants.get(name).make(B=2, H=2, Q_LEN=256, **params)
+    full = create_mask(mods.mask_mod, 2, 2, 256, 256, device="cpu")
+    assert not all(torch.equal(full[0, 0], full[b, h]) for b in (0, 1) for h in (0, 1))
+    for b in (0, 1):
+        for h in (0, 1):
+            assert torch.equal(plotted_mask(mods, b, h), full[b, h]), (name, b, h)
