@@ -1,9 +1,12 @@
 """Host side of the backward kernels: tile choice, gradient buffers and the launches.
 
-The preprocessing kernel computes delta = rowsum(dO * O); then ``flex_bwd_kernel`` runs its dK/dV
-programs and its dQ programs, in one launch or two (see ``_FUSED_HEAD_DIMS``). Where gradients of
-captured tensors are wanted, a launch of the dQ programs' grid first recomputes delta as
-rowsum(P * dP) from the backward's own probabilities (see ``EXACT_DELTA``).
+The preprocessing kernel computes delta = rowsum(dO * O) - grad_lse (the lse's gradient, when the
+loss reads the lse: d lse_i / d s_ij = P_ij, so dS = P * (dP - delta) takes it whole); then
+``flex_bwd_kernel`` runs its dK/dV programs and its dQ programs, in one launch or two (see
+``_FUSED_HEAD_DIMS``). Where gradients of captured tensors are wanted, a launch of the dQ programs'
+grid first recomputes delta as rowsum(P * dP) - grad_lse from the backward's own probabilities
+(see ``EXACT_DELTA``). float64 inputs are computed in float64 throughout (see
+``flexcore.kernels.forward.scale_args``).
 
 dQ, dK and dV never use atomics (each program owns its rows), so they are bit-identical across runs.
 Gradients of captured tensors are scattered by the dK/dV programs with atomic adds:
@@ -24,15 +27,15 @@ import math
 import torch
 
 from flexcore._runtime import capturing, use_interpreter
+from flexcore.errors import InputError
 from flexcore.kernels import hopper
 from flexcore.kernels.codegen import HEADER, cached_module, cap_list, fill_template, read_template
 from flexcore.kernels.forward import (BlockTensors, _check_tile, ensure_tma_allocator, finer_tables, fit_tile,
-                                      pad_head_dim, q_rows_descriptor, refine_key, use_tma)
+                                      pad_head_dim, q_rows_descriptor, refine_key, scale_args, use_tma)
 from flexcore.kernels.launch import (arg_key, direct_launches, get_plan, keep_plan, launch, out_of_resources,
                                      plan_key, recording, run)
 from flexcore.options import KernelOptions
 
-_LOG2E = 1.4426950408889634
 #: Captured-tensor gradients in deterministic mode are int64 multiples of 2**-FIXED_POINT_BITS.
 FIXED_POINT_BITS = 32
 
@@ -235,8 +238,10 @@ def uses_runs(head_dim_pad: int, score_is_trivial: bool) -> bool:
 
 
 def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
-             kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions):
-    """Gradients of flex_attention's output with respect to q, k, v and the score_mod's captures.
+             kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
+             grad_lse=None):
+    """Gradients of flex_attention's output (and lse) with respect to q, k, v and the score_mod's
+    captures.
 
     Args:
         q (B, Hq, L, D), k (B, Hkv, S, D), v (B, Hkv, S, Dv): the forward's inputs.
@@ -249,6 +254,11 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         kv_blocks: the forward's BlockTensors; q_blocks: :func:`q_block_tensors` of the same mask.
         scale: the forward's scale. opts: KernelOptions (``deterministic`` makes the captured
             gradients bit-identical across runs; dq, dk, dv are always deterministic).
+        grad_lse (B, Hq, L) or None: gradient of the loss with respect to the forward's lse
+            (natural log, as returned), any float dtype and strides; None means zero. Since
+            d lse_i / d s_ij = P_ij, it enters as dS = P * (dP - (delta - grad_lse)). Rows
+            without a kept key (lse = -inf) get no gradient from it (their P is 0). InputError
+            where it is not a floating-point tensor of that shape on q's device.
 
     Returns:
         (dq, dk, dv, captured_grads): dq, dk, dv in the dtypes and shapes of q, k, v;
@@ -256,14 +266,15 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         dtype), or None where that tensor does not require grad.
     """
     row_stats = row_stats.contiguous()
+    grad_lse = _check_grad_lse(grad_lse, q, row_stats.dtype)
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
     key = _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
-                    kv_blocks, q_blocks, scale, opts, caps)
+                    kv_blocks, q_blocks, scale, opts, caps, grad_lse)
     if key is not None:
         plan = get_plan(key)
         if plan is not None:  # it holds the tables that finer_tables chose (the key has what it read)
             return plan(q, k, v, out, row_stats, grad_out, caps, score_lowered.captured,
-                        score_bwd_lowered.grad_of, opts.deterministic)
+                        score_bwd_lowered.grad_of, opts.deterministic, grad_lse)
     owners = (kv_blocks, q_blocks)
     # The finer tables where the forward's rule takes them (flexcore.kernels.forward.REFINE), here
     # also where the Gluon backward would serve the mask's own: measured on an H200 (bench/NOTES.md
@@ -275,23 +286,40 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         kv_blocks, q_blocks = fine
     if key is None:
         return _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered,
-                         mask_lowered, kv_blocks, q_blocks, scale, opts, caps)[0]
+                         mask_lowered, kv_blocks, q_blocks, scale, opts, caps, grad_lse)[0]
     with recording() as record:
         result, (make_plan, count) = _backward(q, k, v, out, row_stats, grad_out, score_lowered,
                                                score_bwd_lowered, mask_lowered, kv_blocks, q_blocks, scale,
-                                               opts, caps)
+                                               opts, caps, grad_lse)
     launches = direct_launches(record, count)
     if launches is not None:
         keep_plan(key, make_plan(launches), owners)
     return result
 
 
+def _check_grad_lse(grad_lse, q, stats_dtype):
+    """``grad_lse`` as the kernels read it: (B, Hq, L) contiguous in the row statistics' dtype, or
+    None. Raises InputError (a ValueError) naming it where it cannot be an lse's gradient."""
+    if grad_lse is None:
+        return None
+    B, Hq, L = q.shape[:3]
+    if not isinstance(grad_lse, torch.Tensor) or not grad_lse.is_floating_point():
+        raise InputError(f"grad_lse must be a floating-point tensor of shape (B, Hq, L) = {(B, Hq, L)} "
+                         f"or None; got {type(grad_lse).__name__}"
+                         + (f" of dtype {grad_lse.dtype}" if isinstance(grad_lse, torch.Tensor) else ""))
+    if tuple(grad_lse.shape) != (B, Hq, L) or grad_lse.device != q.device:
+        raise InputError(f"grad_lse must have the lse's shape (B, Hq, L) = {(B, Hq, L)} on {q.device}; "
+                         f"got {tuple(grad_lse.shape)} on {grad_lse.device}")
+    return grad_lse.to(stats_dtype).contiguous()
+
+
 def _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
-              kv_blocks, q_blocks, scale, opts, caps):
+              kv_blocks, q_blocks, scale, opts, caps, grad_lse=None):
     """Everything the backward's host decisions read besides the tables' statistics (fixed for
     the tables) and the layout tuner's choice (fixed once made): see flexcore.kernels.launch's
     per-call plans. None where plans are off. The mods count by their sources and traits, as in
-    the forward's key."""
+    the forward's key. A given ``grad_lse`` (HAS_GRAD_LSE) keys apart from None, with its
+    alignment; its values are read at each call."""
     return plan_key(
         "backward", score_lowered.source, score_bwd_lowered.source, mask_lowered.source,
         score_lowered.is_trivial, bool(score_lowered.captured), score_bwd_lowered.grad_of,
@@ -304,7 +332,8 @@ def _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
         TMA, FULL_RUNS, FULL_RUNS_MAX_HEAD_DIM, P_FROM_LSE, DENSE, frozenset(DENSE_HEAD_DIMS),
         WARP_SPEC, frozenset(WARP_SPEC_KINDS), FUSED, frozenset(_FUSED_HEAD_DIMS), EXACT_DELTA,
         hopper.HOPPER_BACKWARD, hopper.BACKWARD_MIN_MEAN_BLOCKS,
-        arg_key(caps) if caps else (), *refine_key(mask_lowered))
+        arg_key(caps) if caps else (), *refine_key(mask_lowered),
+        None if grad_lse is None else grad_lse.data_ptr() & 15)
 
 
 def _grad_buffers(captured, grad_of, deterministic: bool, device) -> tuple[dict, list]:
@@ -350,12 +379,14 @@ class _BackwardPlan:
         self.pre_fixed, self.fixed = pre_fixed, fixed
         self.rows_shape, self.acc_dtype, self.p_from_lse = rows_shape, acc_dtype, p_from_lse
 
-    def __call__(self, q, k, v, out, row_stats, grad_out, caps, captured, grad_of, deterministic):
+    def __call__(self, q, k, v, out, row_stats, grad_out, caps, captured, grad_of, deterministic,
+                 grad_lse=None):
         device = q.device
         row_terms = torch.empty(self.rows_shape, dtype=self.acc_dtype, device=device)
         delta = row_terms[0]
         entry, grid = self.pre
-        entry.launch(grid, (out, grad_out, delta, row_stats, row_terms[-1], *self.pre_fixed))
+        entry.launch(grid, (out, grad_out, delta, row_stats, row_terms[-1],
+                            delta if grad_lse is None else grad_lse, *self.pre_fixed))
         if self.p_from_lse:
             row_stats = row_terms[1]
         grad_buffers, grad_args = _grad_buffers(captured, grad_of, deterministic, device)
@@ -369,8 +400,9 @@ class _BackwardPlan:
         return dq, dk, dv, _captured_grads(captured, grad_buffers, deterministic)
 
 
-def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool):
-    """delta = rowsum(dO * O), and with ``p_from_lse`` the rows' lse2 = m + log2(l), in one buffer
+def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool, grad_lse=None, delta_from_out=True):
+    """delta = rowsum(dO * O) - grad_lse (without the rowsum where not ``delta_from_out``: the
+    PHASE 3 pass adds its own), and with ``p_from_lse`` the rows' lse2 = m + log2(l), in one buffer
     (1 or 2, B, Hq, L) of the accumulation dtype; and the preprocessing launch's integer arguments."""
     import triton.language as tl
 
@@ -380,16 +412,19 @@ def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool):
                             device=out.device)
     pre_m = 64
     pre_fixed = (*out.stride(), *grad_out.stride(), B * Hq * L, L, Hq)
+    # An absent grad_lse is not read (HAS_GRAD_LSE): delta's buffer stands in for the pointer.
     run(module.flex_bwd_preprocess, (math.ceil(L / pre_m), B * Hq),
-        (out, grad_out, row_terms[0], row_stats, row_terms[-1], *pre_fixed),
+        (out, grad_out, row_terms[0], row_stats, row_terms[-1],
+         row_terms[0] if grad_lse is None else grad_lse, *pre_fixed),
         dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=pad_head_dim(Dv), BLOCK_M=pre_m,
-             ACC_DTYPE=tl.float64 if fp64 else tl.float32, P_FROM_LSE=p_from_lse))
+             ACC_DTYPE=tl.float64 if fp64 else tl.float32, P_FROM_LSE=p_from_lse,
+             HAS_GRAD_LSE=grad_lse is not None, DELTA_FROM_OUT=delta_from_out))
     return row_terms, pre_fixed
 
 
 def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
                      kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
-                     caps: tuple):
+                     caps: tuple, grad_lse=None):
     """backward's result and plan parts (as _backward's) from flexcore.kernels.hopper's Gluon kernels,
     or None where they do not serve the call (see hopper.applies_backward) or fail to build for this
     mask_mod."""
@@ -403,8 +438,10 @@ def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd
     module = hopper.backward_module(mask_lowered)
     if module is None:
         return None
+    # The Gluon kernels take dS = P * (dP - delta) with the preprocessing's delta, which carries
+    # grad_lse (see flex_bwd_preprocess).
     row_terms, pre_fixed = _preprocess(backward_module(score_lowered, score_bwd_lowered, mask_lowered), out,
-                                       grad_out, row_stats, True)
+                                       grad_out, row_stats, True, grad_lse)
     launches = hopper.BackwardLaunches(module, kv_blocks, q_blocks, dense, scale)
     grads = hopper.backward(q, k, v, grad_out, row_terms[1], row_terms[0], launches, caps,
                             ("backward_hopper.py.tmpl", mask_lowered.source, dense, q.dtype))
@@ -426,22 +463,24 @@ class _HopperBackwardPlan:
         self.pre_fixed, self.gluon = pre_fixed, gluon
         self.rows_shape, self.rows_dtype = rows_shape, rows_dtype
 
-    def __call__(self, q, k, v, out, row_stats, grad_out, caps, captured, grad_of, deterministic):
+    def __call__(self, q, k, v, out, row_stats, grad_out, caps, captured, grad_of, deterministic,
+                 grad_lse=None):
         row_terms = torch.empty(self.rows_shape, dtype=self.rows_dtype, device=q.device)
         entry, grid = self.pre
-        entry.launch(grid, (out, grad_out, row_terms[0], row_stats, row_terms[1], *self.pre_fixed))
+        entry.launch(grid, (out, grad_out, row_terms[0], row_stats, row_terms[1],
+                            row_terms[0] if grad_lse is None else grad_lse, *self.pre_fixed))
         grads = self.gluon.replay(self.launches, q, k, v, grad_out, row_terms[1], row_terms[0], caps)
         return (*grads, _captured_grads(captured, {}, deterministic))
 
 
 def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
               kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
-              caps: tuple):
+              caps: tuple, grad_lse=None):
     """backward's decisions and launches: (the result, (a function of the launches that ran,
     recorded, to the plan that repeats them, the number of launches that ran)). The Gluon kernels of
     flexcore.kernels.hopper serve the call where they apply."""
     hopper_result = _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered,
-                                     mask_lowered, kv_blocks, q_blocks, scale, opts, caps)
+                                     mask_lowered, kv_blocks, q_blocks, scale, opts, caps, grad_lse)
     if hopper_result is not None:
         return hopper_result
     B, Hq, L, D = q.shape
@@ -479,14 +518,15 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
 
     common["ACC_DTYPE"] = tl.float64 if acc_dtype == torch.float64 else tl.float32
     p_from_lse = P_FROM_LSE and itemsize == 2
-    row_terms, pre_fixed = _preprocess(module, out, grad_out, row_stats, p_from_lse)
-    delta = row_terms[0]
-    if p_from_lse:
-        row_stats = row_terms[1]  # the kernel reads lse2 where it read the row max, and no 1/l
-
     captured = score_lowered.captured
     grad_buffers, grad_args = _grad_buffers(captured, score_bwd_lowered.grad_of, opts.deterministic,
                                             q.device)
+    exact_delta = EXACT_DELTA and bool(grad_buffers)
+    row_terms, pre_fixed = _preprocess(module, out, grad_out, row_stats, p_from_lse, grad_lse,
+                                       delta_from_out=not exact_delta)
+    delta = row_terms[0]
+    if p_from_lse:
+        row_stats = row_terms[1]  # the kernel reads lse2 where it read the row max, and no 1/l
 
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
@@ -511,7 +551,7 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
         *kv_blocks.num_blocks.stride(), *kv_blocks.indices.stride()[:3], *kn.stride(), *ki.stride()[:3],
         q_blocks.num_blocks, q_blocks.indices, qn, qi,
         *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3], *qn.stride(), *qi.stride()[:3],
-        B * Hq * L, L, S, Hq, Hkv, scale, scale * _LOG2E, *ws_rows)
+        B * Hq * L, L, S, Hq, Hkv, *scale_args(scale, q.dtype), *ws_rows)
     args = (q, k, v, grad_out, dq, dk, dv, row_stats, delta, *fixed, *caps, *grad_args)
     by_table = head_dim_key in _FUSED_HEAD_DIMS
     tma = ws or use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, TMA)
@@ -522,7 +562,6 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
                   FULL_Q_RUNS=runs and q_blocks.full_runs(math.ceil(S / sparse_kv)),
                   FULL_KV_RUNS=runs and kv_blocks.full_runs(math.ceil(L / sparse_q)))
     kernel = module.flex_bwd_kernel
-    exact_delta = EXACT_DELTA and bool(grad_buffers)
     if exact_delta:  # delta = rowsum(P * dP), over the dQ programs' grid, before the other phases
         launch(kernel, lambda bm, bn: (gqa * math.ceil(L / bm), B * Hkv), args, bm2, bn2, meta2,
                dict(PHASE=3, DKDV_BLOCK_M=16, DKDV_BLOCK_N=16, **common), pinned=pinned,

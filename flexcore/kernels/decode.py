@@ -10,7 +10,7 @@ import torch
 from flexcore._runtime import use_interpreter
 from flexcore.errors import InputError
 from flexcore.kernels.codegen import load_kernel_module
-from flexcore.kernels.forward import BlockTensors, fit_tile, pad_head_dim
+from flexcore.kernels.forward import BlockTensors, empty_output, fit_tile, forward, max_scores, pad_head_dim
 from flexcore.kernels.launch import Tuned, run
 from flexcore.options import KernelOptions
 
@@ -171,11 +171,12 @@ def _make_launcher(module, sparse_kv: int, head_dim_pad: int, itemsize: int, opt
 
 
 def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,
-           opts: KernelOptions, *, num_splits: int | None = None):
+           opts: KernelOptions, *, num_splits: int | None = None, return_max_scores: bool = False):
     """Split-KV decoding attention with lowered mods.
 
-    Same contract as :func:`flexcore.kernels.forward.forward`, meant for short queries (1 to 16
-    positions) against a long cache.
+    Meant for short queries (1 to 16 positions) against a long cache. float64 inputs run
+    :func:`flexcore.kernels.forward.forward` instead, which computes in float64 throughout (this
+    kernel accumulates in float32).
 
     Args:
         q: (B, Hq, L, D). k: (B or 1, Hkv, S, D), v: (B or 1, Hkv, S, Dv); a batch of 1 is shared by
@@ -186,10 +187,13 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
         opts: kernel options; BLOCK_N, num_warps, num_stages and autotune apply, BLOCK_M does not
             (the tile rows are the query heads of a GQA group times the query positions).
         num_splits: force the number of key splits (default: enough programs to fill the GPU).
+        return_max_scores: also return each row's max of the modded, masked scores.
 
     Returns:
-        out (B, Hq, L, Dv) in q's dtype; lse (B, Hq, L) float32, natural log. Rows with every key
-        masked give out 0 and lse -inf.
+        out (B, Hq, L, Dv) in q's dtype and q's stride order; lse (B, Hq, L) float32 (float64 for
+        float64 inputs), natural log; with ``return_max_scores`` also max_scores (B, Hq, L) of
+        lse's dtype, natural units (torch's ``AuxOutput.max_scores``). Rows with every key masked
+        give out 0, lse -inf and max -inf; rows with a +inf score give lse and max +inf.
     """
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
@@ -199,32 +203,38 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
     if Hq % Hkv:
         raise InputError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)  # batch 1 -> stride 0
+    if q.dtype == torch.float64:
+        out, lse, row_stats = forward(q, k, v, score_lowered, mask_lowered, blocks, scale, opts)
+        return (out, lse, max_scores(row_stats)) if return_max_scores else (out, lse)
     sparse_q, sparse_kv = blocks.sparse_block
     plan = plan_decode(B, Hq, Hkv, L, S, blocks, q.device, num_splits)
     module = load_kernel_module("decode.py.tmpl", score_lowered, mask_lowered)
     head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
     kernel, meta = _launcher(module, sparse_kv, max(head_dim_pad, head_dim_v_pad), q.element_size(), opts)
 
-    out = torch.empty((B, Hq, L, Dv), dtype=q.dtype, device=q.device)
+    out = empty_output(q, Dv)
     lse = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device)
+    row_max = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device) if return_max_scores else lse
     split = plan.num_splits > 1
     tiles = B * Hkv * (Hq // Hkv // plan.heads_per_tile) * plan.q_chunks
     counters = lse  # unused without splits
     if split:
-        # PART_OUT (B, Hq, L, splits, Dv) and PART_LSE (B, Hq, L, splits) in one allocation.
+        # PART_OUT (B, Hq, L, splits, Dv), PART_LSE (B, Hq, L, splits) and with max scores
+        # PART_MAX (B, Hq, L, splits) in one allocation.
         n = B * Hq * L * plan.num_splits
-        part = torch.empty(n * (Dv + 1), dtype=torch.float32, device=q.device)
-        part_out, part_lse = part[:n * Dv], part[n * Dv:]
+        part = torch.empty(n * (Dv + 1 + return_max_scores), dtype=torch.float32, device=q.device)
+        part_out, part_lse = part[:n * Dv], part[n * Dv:n * (Dv + 1)]
+        part_max = part[n * (Dv + 1):] if return_max_scores else part_lse
         counters = _split_counters(q.device, tiles)
     else:
-        part_out, part_lse = out, lse  # unused: the kernel writes the result itself
+        part_out, part_lse, part_max = out, lse, lse  # unused: the kernel writes the result itself
     full_n, full_i = blocks.full_tables()
     upcast = use_interpreter() and q.dtype != torch.float32
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
 
     tune_bucket = math.ceil(S / sparse_kv).bit_length()
     args = (
-        q, k, v, out, lse, part_out, part_lse, counters,
+        q, k, v, out, lse, part_out, part_lse, counters, row_max, part_max,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         blocks.num_blocks, blocks.indices, full_n, full_i,
         *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
@@ -240,10 +250,11 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
         HAS_FULL_BLOCKS=blocks.full_num_blocks is not None,
         EVEN_KV=S % sparse_kv == 0, SPLIT_OUTPUT=split,
         SCORE_IS_TRIVIAL=score_lowered.is_trivial, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
+        WRITE_MAX=return_max_scores,
     )
     grid = (plan.num_splits, tiles)
     if isinstance(kernel, Tuned):
         kernel.launch(grid, args, constexprs, key=(tune_bucket, plan.num_splits, L))
     else:
         run(kernel, grid, args, {**constexprs, **meta})
-    return out, lse
+    return (out, lse, row_max) if return_max_scores else (out, lse)

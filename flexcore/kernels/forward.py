@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +17,53 @@ from flexcore.kernels.launch import (Tuned, arg_key, direct_launches, get_plan, 
 from flexcore.options import KernelOptions
 
 _LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+def scale_args(scale: float, dtype: torch.dtype) -> tuple:
+    """(SM_SCALE, QK_SCALE_LOG2) as the template kernels take them: scale and scale * log2(e).
+
+    Triton passes a Python float as a float32, which puts every float64 score about 3e-8 off.
+    For float64 inputs each is passed as the int64 of its IEEE-754 bits instead, and the kernels
+    (ACC_DTYPE float64) bitcast it back to the exact float64.
+    """
+    scaled = scale * _LOG2E
+    if dtype != torch.float64:
+        return scale, scaled
+    return tuple(struct.unpack("<q", struct.pack("<d", x))[0] for x in (scale, scaled))
+
+
+@functools.lru_cache(maxsize=256)
+def output_strides(shape: tuple, query_strides: tuple) -> tuple[int, ...]:
+    """Strides of a fresh (B, H, L, Dv) output laid out in the query's stride order, as torch's
+    flex_attention allocates it: dimensions filled from the query's smallest stride to its
+    largest (equal strides: the inner dimension first), the head dim always innermost."""
+    def fill(order):
+        strides, step = [0] * len(shape), 1
+        for dim in order:
+            strides[dim] = step
+            step *= shape[dim]
+        return strides
+
+    order = sorted(range(len(shape)), key=lambda i: query_strides[i], reverse=True)[::-1]
+    strides = fill(order)
+    if strides[-1] != 1:  # the kernels store rows of unit stride
+        last = len(shape) - 1
+        strides = fill([last, *(d for d in order if d != last)])
+    return tuple(strides)
+
+
+def empty_output(q: torch.Tensor, head_dim_v: int) -> torch.Tensor:
+    """An uninitialised (B, Hq, L, head_dim_v) output of q's dtype in q's stride order."""
+    shape = (*q.shape[:3], head_dim_v)
+    return torch.empty_strided(shape, output_strides(shape, tuple(q.stride())), dtype=q.dtype, device=q.device)
+
+
+def max_scores(row_stats: torch.Tensor) -> torch.Tensor:
+    """The row max of the modded, masked scores (torch's ``AuxOutput.max_scores``), natural units,
+    (B, Hq, L) in row_stats' dtype, from the forward's row_stats (whose first row is that max in
+    log2 units); -inf on rows without a kept key, +inf on rows with a +inf score."""
+    return row_stats[0] * _LN2
 
 
 def row_stats_from_lse(lse: torch.Tensor) -> torch.Tensor:
@@ -521,9 +569,12 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     """Run the forward kernel.
 
     Returns:
-        out (B, Hq, L, Dv) in q's dtype; lse (B, Hq, L) float32 (float64 for float64 inputs),
-        natural log; row_stats (2, B, Hq, L) of the same dtype: the row max of the scores in log2
-        units and 1/(row sum of exp2(s - max)), which the backward recomputes probabilities from.
+        out (B, Hq, L, Dv) in q's dtype and q's stride order (as torch's flex_attention); lse
+        (B, Hq, L) float32 (float64 for float64 inputs, computed in float64 throughout), natural
+        log, -inf on rows without a kept key and +inf on rows with a +inf score; row_stats
+        (2, B, Hq, L) of lse's dtype: the row max of the modded, masked scores in log2 units
+        (:func:`max_scores` gives it in natural units) and 1/(row sum of exp2(s - max)), which the
+        backward recomputes probabilities from.
     """
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
     key = _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps)
@@ -567,18 +618,19 @@ class _ForwardPlan:
     kernel, grid and integer arguments, and the descriptors' layout where K and V are host
     descriptors."""
 
-    __slots__ = ("entry", "grid", "fixed", "kv_desc", "out_shape", "lse_shape", "stats_shape",
-                 "acc_dtype")
+    __slots__ = ("entry", "grid", "fixed", "kv_desc", "out_shape", "out_strides", "lse_shape",
+                 "stats_shape", "acc_dtype")
 
     def __init__(self, entry, grid, fixed, kv_desc, result):
         out, lse, row_stats = result
         self.entry, self.grid, self.fixed, self.kv_desc = entry, grid, fixed, kv_desc
         self.out_shape, self.lse_shape, self.stats_shape = out.shape, lse.shape, row_stats.shape
+        self.out_strides = out.stride()  # q's stride order; q's strides are in the plan's key
         self.acc_dtype = lse.dtype
 
     def __call__(self, q, k, v, caps):
         device = q.device
-        out = torch.empty(self.out_shape, dtype=q.dtype, device=device)
+        out = torch.empty_strided(self.out_shape, self.out_strides, dtype=q.dtype, device=device)
         lse = torch.empty(self.lse_shape, dtype=self.acc_dtype, device=device)
         row_stats = torch.empty(self.stats_shape, dtype=self.acc_dtype, device=device)
         if self.kv_desc is not None:
@@ -632,7 +684,7 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
             if result is not None:
                 return result, None, run
     module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
-    out = torch.empty((B, Hq, L, Dv), dtype=q.dtype, device=q.device)
+    out = empty_output(q, Dv)
     import triton.language as tl  # after prepare_triton(): see flexcore._runtime
 
     fp64 = q.dtype == torch.float64
@@ -668,7 +720,7 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
         *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
         *full_n.stride(), *full_i.stride()[:3],
         order if order is not None else blocks.num_blocks, q_rows, q_desc_rows,
-        B * Hq * L, L, S, Hq, scale, scale * _LOG2E,
+        B * Hq * L, L, S, Hq, *scale_args(scale, q.dtype),
     )
     args = (q, k if k_desc is None else k_desc, v if v_desc is None else v_desc, out, lse, row_stats,
             *fixed, *caps)

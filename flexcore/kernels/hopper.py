@@ -142,11 +142,26 @@ def _common(q, k, v, score_lowered, scale: float, opts, head_dims=HEAD_DIMS) -> 
     return ok
 
 
+def _output_contiguous(q: torch.Tensor) -> bool:
+    """Whether the output in q's stride order (flexcore.kernels.forward.empty_output) is contiguous,
+    as the forwards' descriptor over its rows needs. Other orders take the template."""
+    if q.is_contiguous():
+        return True
+    from flexcore.kernels.forward import output_strides
+
+    expected = 1
+    for size, stride in zip(reversed(q.shape), reversed(output_strides(tuple(q.shape), q.stride()))):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def applies(q, k, v, score_lowered, dense: bool, scale: float, opts) -> bool:
     """Whether the dense kernel serves the call (see the module's docstring)."""
     if HOPPER_DENSE is False or not dense or use_interpreter() or not q.is_cuda:
         return False
-    ok = (_common(q, k, v, score_lowered, scale, opts, DENSE_TILES)
+    ok = (_common(q, k, v, score_lowered, scale, opts, DENSE_TILES) and _output_contiguous(q)
           and ("dense", q.dtype, q.shape[3]) not in _unsupported)
     if not ok and HOPPER_DENSE:
         raise RuntimeError("flexcore.kernels.hopper.HOPPER_DENSE is True but the call is not one it serves")
@@ -164,7 +179,8 @@ def applies_masked(q, k, v, score_lowered, blocks, dense: bool, scale: float, op
     blocks, with the identity score_mod (the mask_mod may capture tensors)."""
     if HOPPER_MASKED is False or dense or use_interpreter() or not q.is_cuda:
         return False
-    ok = _tables_ok(blocks) and _common(q, k, v, score_lowered, scale, opts, MASKED_TILES)
+    ok = (_tables_ok(blocks) and _common(q, k, v, score_lowered, scale, opts, MASKED_TILES)
+          and _output_contiguous(q))
     if ok and not HOPPER_MASKED:
         least = UNION_MIN_MEAN_BLOCKS if MASKED_TILES[q.shape[3]].num_wg == 3 else MASKED_MIN_MEAN_BLOCKS
         ok = blocks.visits_on_average(q.shape[2] // BLOCK_M, least)
@@ -324,9 +340,11 @@ def union_tables(blocks, q_len: int, kv_len: int, rows: int) -> tuple | None:
 def _prepare(q, k, v):
     """The outputs, and the arguments both kernels take before their own: the four descriptors,
     lse, row_stats, and the batch and head strides in rows."""
+    from flexcore.kernels.forward import empty_output
+
     mod = _gluon_host()
-    B, Hq, L, _ = q.shape
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    B, Hq, L, D = q.shape
+    out = empty_output(q, D)  # contiguous (applies, applies_masked), with the strides torch gives
     lse = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device)
     row_stats = torch.empty((2, B, Hq, L), dtype=torch.float32, device=q.device)
     (q_rows, q_rb, q_rh), (k_rows, k_rb, k_rh), (v_rows, v_rb, v_rh) = _rows(q), _rows(k), _rows(v)

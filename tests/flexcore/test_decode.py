@@ -101,6 +101,34 @@ def test_decode_fully_masked_rows():
     assert_matches_reference(q, k, v, None, bm, out, lse, "fully masked batch 0")
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_output_keeps_the_query_order(num_splits):
+    # A (B, L, H, D) query viewed as (B, H, L, D) (a projection's output): the output has the same
+    # stride order, as torch's flex_attention's, written by one split or by the merge of several.
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    gen = torch.Generator().manual_seed(seed_of("decode_order", num_splits))
+    shape = decode_shape(4)
+    q, k, v = shape.qkv(torch.float32, DEVICE, gen)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    out, lse = run_decode(q, k, v, None, None, num_splits=num_splits)
+    assert out.stride() == torch_flex(q, k, v, enable_gqa=True).stride() == q.stride()
+    assert_matches_reference(q, k, v, None, None, out, lse, "query order")
+
+
+def test_decode_float64_runs_the_forward_kernel():
+    # The decode kernel accumulates in float32: float64 inputs take the forward kernel, float64
+    # throughout, to rounding of the reference.
+    shape = decode_shape(2)
+    q, k, v, score_mod, bm = make_case(shape, "alibi", torch.float64, seed_of("decode_f64"), DEVICE)
+    out, lse = decode(q, k, v, lower_score_mod(score_mod, torch.float64), lower_mask_mod(bm.mask_mod),
+                      _kv_blocks(bm, shape.B, shape.Hq), 0.3, KernelOptions())
+    gold, gold_lse = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=bm, scale=0.3,
+                                              enable_gqa=True, return_lse=True)
+    assert out.dtype == lse.dtype == torch.float64
+    assert rel_err(out, gold) <= 1e-12 and rel_err(lse, gold_lse) <= 1e-12
+
+
 def test_decode_per_head_block_mask():
     # The mask differs by head, so the BlockMask lists per-head blocks: heads cannot share a tile.
     gen = torch.Generator().manual_seed(8)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexcore import create_block_mask, flex_attention, noop_mask
+from flexcore import AuxRequest, create_block_mask, flex_attention, noop_mask
 from flexcore.kernels import hopper
 from tests.flexcore.cases import Shape
 from tests.flexcore.compare import assert_matches_reference, seed_of
+from flexcore.kernels.forward import output_strides
 from tests.flexcore.test_backward import check_backward
 
 
@@ -51,6 +52,29 @@ def test_rows_view(layout, expected):
         rows, rb, rh = got
         # the last (batch, head)'s last row is the last row the view spans
         assert (B - 1) * rb + (H - 1) * rh + N - 1 == rows - 1
+
+
+@pytest.mark.parametrize("layout, served", [
+    ("contiguous", True), ("head_slice", True), ("padded_rows", True),
+    ("hbsd", False),  # heads outermost: the output in that order is not one (rows, D) matrix
+    ("bshd", False), ("size1_dims", True)])
+def test_output_in_the_query_order_is_contiguous(layout, served):
+    # The Gluon forwards write the output through one descriptor over B * H * L rows; the output
+    # keeps the query's stride order (as torch's flex_attention), so other orders take the template.
+    B, H, N, D = 2, 3, 256, 128
+    if layout == "contiguous":
+        t = torch.zeros(B, H, N, D)
+    elif layout == "head_slice":
+        t = torch.zeros(B, 2 * H, N, D)[:, ::2]
+    elif layout == "padded_rows":
+        t = torch.zeros(B, H, N, 136)[..., :D]
+    elif layout == "hbsd":
+        t = torch.zeros(H, B, N, D).transpose(0, 1)
+    elif layout == "bshd":
+        t = torch.zeros(B, N, H, D).transpose(1, 2)
+    else:
+        t = torch.zeros(3, N, D).as_strided((1, 1, N, D), (77, 5, D, 1))
+    assert hopper._output_contiguous(t) == served
 
 
 def test_a_first_launch_that_fails_leaves_the_kernel_to_the_template(monkeypatch):
@@ -348,7 +372,9 @@ def test_strided_layouts(monkeypatch, layout, D):
     q, k, v = make(), make(), make()
     out, lse = flex_attention(q, k, v, return_lse=True)
     assert len(calls) == (0 if layout == "bshd" else 1)
-    assert out.is_contiguous()
+    # The output keeps the query's stride order, as torch's: (B, S, H, D) memory for bshd.
+    assert out.is_contiguous() == (layout != "bshd")
+    assert out.stride() == output_strides(tuple(out.shape), q.stride())
     assert_matches_reference(q, k, v, None, None, out, lse, f"hopper layout {layout} D={D}")
 
 
@@ -731,3 +757,95 @@ def test_backward_falls_back_to_the_template(monkeypatch, case):
     assert calls in ([], [False], [True]), calls
     if case in ("score_mod", "d64", "ragged"):
         assert calls == []
+
+
+# --- lse gradients, +inf scores and the output's stride order on the Gluon kernels ---
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("shape", _BACKWARD_SHAPES[:2], ids=lambda s: s.name)
+@pytest.mark.parametrize("mod_name", ["noop", "causal", "document"])
+def test_backward_lse_gradient(monkeypatch, shape, mod_name):
+    # grad_lse through the Gluon backward (the preprocessing kernel's delta carries it) against the
+    # float64 autograd of (out * g).sum() + (lse * h).sum(), tolerances relative to torch's bf16.
+    from tests.flexcore.test_lse_grad import check_lse_grads
+
+    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)  # raises if the call is not served
+    calls = _spy_backward(monkeypatch)
+    check_lse_grads(shape, mod_name, torch.bfloat16, seed_of("hopper-lse-grad", shape.name, mod_name), device="cuda")
+    assert calls == [True], "the Gluon backward did not run"
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("mask", ["noop", "causal"])
+def test_backward_lse_gradient_is_the_templates_bit_for_bit(monkeypatch, mask):
+    # Both read the same delta - grad_lse from the preprocessing kernel: identical gradients.
+    from tests.flexcore.test_lse_grad import kernel_grads
+
+    gen = torch.Generator().manual_seed(seed_of("hopper-lse-bits", mask))
+    q, k, v = (torch.randn(2, 4, 1024, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+    grad_out = torch.randn(q.shape, generator=gen).to("cuda", torch.bfloat16)
+    grad_lse = torch.randn(q.shape[:3], generator=gen).to("cuda")
+    bm = None if mask == "noop" else create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, 1024, 1024,
+                                                       device="cuda")
+    monkeypatch.setattr("flexcore.kernels.forward.REFINE", False)
+    calls = _spy_backward(monkeypatch)
+    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)
+    *_, gluon = kernel_grads(q, k, v, None, bm, grad_out, grad_lse)
+    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", False)
+    *_, template = kernel_grads(q, k, v, None, bm, grad_out, grad_lse)
+    assert calls == [True]
+    for name, a, b in zip(("dq", "dk", "dv"), gluon, template):
+        assert torch.equal(a, b), f"{mask} {name}: max difference {(a.float() - b.float()).abs().max().item()}"
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("mask", ["noop", "causal"])
+def test_lse_is_inf_where_a_score_is_inf(monkeypatch, D, mask):
+    # +inf in k: lse +inf on the rows whose score is +inf (it was NaN), as the float64 reference's.
+    from flexcore.reference import flex_attention_reference
+
+    if mask == "noop":
+        monkeypatch.setattr(hopper, "HOPPER_DENSE", True)
+        calls = _spy(monkeypatch)
+    else:
+        monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
+        calls = _spy_masked(monkeypatch)
+    gen = torch.Generator().manual_seed(seed_of("hopper-inf", D, mask))
+    q, k, v = (torch.randn(1, 2, 1024, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+    k[0, 0, 5, 0] = float("inf")
+    bm = None if mask == "noop" else create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, 1024, 1024,
+                                                       device="cuda")
+    out, aux = flex_attention(q, k, v, block_mask=bm, return_aux=AuxRequest(lse=True))
+    lse = aux.lse
+    assert calls and all(calls), "the Gluon forward did not run"
+    gold, gold_lse = flex_attention_reference(q, k, v, block_mask=bm, return_lse=True)
+    plus = gold_lse == float("inf")
+    assert plus.any()
+    assert torch.equal(lse == float("inf"), plus)
+    assert torch.equal(out.isnan(), gold.isnan())
+    fin = torch.isfinite(gold_lse)
+    assert (lse[fin].double() - gold_lse[fin]).abs().max() <= 1e-2
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_output_keeps_the_query_order(monkeypatch):
+    # A query whose heads are outermost in memory: the Gluon kernels cannot write that order through
+    # their descriptor, so the template serves it, and the output has the query's order, as torch's.
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    calls = _spy(monkeypatch)
+    gen = torch.Generator().manual_seed(seed_of("hopper-order"))
+    q = torch.randn(4, 2, 1024, 128, generator=gen).to("cuda", torch.bfloat16).transpose(0, 1)
+    k, v = (torch.randn(2, 4, 1024, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    out, aux = flex_attention(q, k, v, return_aux=AuxRequest(lse=True))
+    lse = aux.lse
+    assert not calls
+    assert out.stride() == torch_flex(q, k, v).stride() == q.stride()
+    assert_matches_reference(q, k, v, None, None, out, lse, "hopper query order")
+    out2 = flex_attention(q.contiguous(), k, v)  # the usual order: the Gluon kernel, contiguous
+    assert calls and out2.is_contiguous()

@@ -220,3 +220,28 @@ def test_a_mod_over_new_tensors_reuses_its_plan(decided):
     assert decided == {"forward": 1, "backward": 1}
     parts = [x for key in L._plans for x in key]
     assert not any(isinstance(x, (torch.Tensor, LoweredMod)) for x in parts)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "hbsd", "bhsd"])
+def test_outputs_keep_the_query_order(decided, layout):
+    """The output has the query's stride order, as torch's flex_attention's (which a model that
+    reshapes (B, H, L, D) outputs back to (B, L, H * D) relies on for a free view), on the call
+    that decides and on the plan's replays."""
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    from flexcore import AuxRequest
+    from tests.flexcore.compare import assert_matches_reference
+
+    shape = Shape("order", B=2, Hq=3, Hkv=3, L=64, S=64, D=16, Dv=16, block=32)
+    gen = torch.Generator().manual_seed(seed_of("plans", "order", layout))
+    _, mask_mod = make_mods("causal", shape, "cpu", gen)
+    bm = create_block_mask(mask_mod, None, None, shape.L, shape.S, device="cpu", BLOCK_SIZE=shape.block)
+    permute = {"bshd": (0, 2, 1, 3), "hbsd": (1, 0, 2, 3), "bhsd": (0, 1, 2, 3)}[layout]
+    for call in range(3):
+        q, k, v = shape.qkv(torch.float32, "cpu", gen)
+        q = q.permute(permute).contiguous().permute(permute)  # the same values in that memory order
+        out, aux = flex_attention(q, k, v, block_mask=bm, return_aux=AuxRequest(lse=True))
+        lse = aux.lse
+        assert out.stride() == torch_flex(q, k, v).stride() == q.stride(), (call, out.stride(), q.stride())
+        assert_matches_reference(q, k, v, None, bm, out, lse, f"{layout} call {call}")
+    assert decided["forward"] == 1
