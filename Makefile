@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e ".[bench,app,dev]" "$(TORCH_PIN)" "$(TRITON_PIN)"
 	touch $(STAMP)
 
+# One worker per core; a test module's tests stay in one worker (they share its fixtures and caches).
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n auto --dist loadfile $(PYTEST_ARGS)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m gpu $(PYTEST_ARGS)

@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--cuda-graphs", help="passes timed by replaying CUDA graphs: comma-separated passes, "
                    "'all' or 'none' (default: decode)")
     r.add_argument("--no-pin-host", action="store_true",
-                   help="time on the GPU without putting the process's threads on one core (see bench/NOTES.md entry 52)")
+                   help="time on the GPU without putting the process's threads on one core (docs/decisions.md#host-pinning)")
     r.add_argument("--no-progress", action="store_true", help="log one line per case instead of a bar")
     r.add_argument("--keep-going", action="store_true",
                    help="exit 0 even when correctness checks failed (the results still mark them)")

@@ -16,18 +16,25 @@ from flexcore.masks import and_masks, noop_mask, or_masks
 
 _LAZY = {
     "flex_attention": "flexcore.attention",
+    "AuxRequest": "flexcore.attention",
+    "AuxOutput": "flexcore.attention",
     "KernelOptions": "flexcore.options",
+    "FlexKernelOptions": "flexcore.options",
     "BlockMask": "flexcore.blockmask",
     "create_block_mask": "flexcore.blockmask",
     "create_mask": "flexcore.blockmask",
     "PagedAttention": "flexcore.paged",
     "offset_mask_mod": "flexcore.decoding",
     "offset_score_mod": "flexcore.decoding",
+    "create_nested_block_mask": "flexcore.nested",
+    "nested_flex_attention": "flexcore.nested",
+    "coerce_block_mask": "flexcore.interop",
 }
 
-__all__ = ["flex_attention", "create_block_mask", "create_mask", "BlockMask", "and_masks",
-           "or_masks", "noop_mask", "KernelOptions", "ScoreMod", "MaskMod", "PagedAttention",
-           "offset_mask_mod", "offset_score_mod"]
+__all__ = ["flex_attention", "AuxRequest", "AuxOutput", "create_block_mask", "create_mask",
+           "BlockMask", "and_masks", "or_masks", "noop_mask", "KernelOptions", "FlexKernelOptions", "ScoreMod",
+           "MaskMod", "PagedAttention", "offset_mask_mod", "offset_score_mod",
+           "create_nested_block_mask", "nested_flex_attention", "coerce_block_mask"]
 
 
 def __getattr__(name: str):

@@ -23,6 +23,14 @@ def check_qkv(query, key, value, enable_gqa: bool, dtypes: tuple | None = KERNEL
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
             raise InputError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.is_nested:
+            raise InputError(f"{name} is a nested tensor; jagged-layout (B, H, j, D) nested "
+                             f"tensors are attended by flexcore.nested.nested_flex_attention")
+        # FakeTensors (torch.compile) report their real device, so only true meta tensors stop here.
+        if t.device.type == "meta":
+            raise InputError(f"{name} is a meta tensor {_shape(t)} (device='meta'): it holds no "
+                             f"data to attend. Pass tensors on a CUDA device (or the CPU, where "
+                             f"the kernels run under Triton's interpreter)")
         if t.dim() != 4:
             raise InputError(f"{name} has shape {_shape(t)}; expected 4 dims (B, H, L, D)")
         if dtypes is None and not t.is_floating_point():
@@ -67,13 +75,14 @@ def check_block_mask(block_mask, B: int, Hq: int, L: int, S: int, device: torch.
 
     if not isinstance(block_mask, BlockMask):
         raise InputError(f"block_mask must be a flexcore.BlockMask (from flexcore.create_block_mask), "
+                         f"or a torch BlockMask converted by flexcore.interop.coerce_block_mask; "
                          f"got {type(block_mask).__name__}")
     mq, mkv = block_mask.seq_lengths
     if (mq, mkv) != (L, S):
         raise InputError(
             f"block_mask was built for Q_LEN={mq}, KV_LEN={mkv} but query has length {L} and key {S}. "
             f"Build it with create_block_mask(mask_mod, B, H, {L}, {S}); for decoding with a sliced "
-            f"mask, set its lengths with dataclasses.replace(mask, seq_lengths=({L}, {S}))")
+            f"mask, set its lengths with mask.seq_lengths = ({L}, {S})")
     mb, mh, qb = block_mask.kv_num_blocks.shape
     if mb not in (1, B) or mh not in (1, Hq):
         raise InputError(f"block_mask has batch {mb} and heads {mh}; expected batch 1 or {B} and heads "

@@ -1,32 +1,87 @@
-"""flex_attention: torch.nn.attention.flex_attention's API on flexlab's own Triton kernels."""
+"""flex_attention: torch.nn.attention.flex_attention's API on flexlab's own Triton kernels.
+
+An eager call keeps what depends only on its inputs' shapes, dtypes and devices, the BlockMask's
+state and the options (checks, options, the tables' views) in a small cache of prepared calls, and
+runs the kernels through an autograd Function. Under ``torch.compile`` the same call becomes the
+custom ops of :mod:`flexcore.ops`.
+"""
 from __future__ import annotations
 
 import collections
 import functools
 import math
+import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from flexcore import ops
 from flexcore._runtime import prepare_triton, use_interpreter
 from flexcore._types import ScoreMod
 from flexcore._validate import check_block_mask, check_qkv
 from flexcore.errors import InputError
+from flexcore.interop import coerce_block_mask
 from flexcore.options import KernelOptions
 
+__all__ = ["flex_attention", "AuxRequest", "AuxOutput"]
 
-def validate_inputs(query, key, value, block_mask, scale, enable_gqa) -> None:
-    """Raise InputError naming the argument when the inputs cannot be attended by the kernels."""
+try:  # torch's own classes where torch has them (2.9 and later): isinstance checks then agree
+    from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
+except ImportError:  # pragma: no cover - older torch
+    class AuxRequest(NamedTuple):
+        """Which auxiliary outputs flex_attention computes (torch's ``AuxRequest``)."""
+
+        lse: bool = False
+        max_scores: bool = False
+
+    class AuxOutput(NamedTuple):
+        """flex_attention's auxiliary outputs, None unless requested (torch's ``AuxOutput``)."""
+
+        lse: Tensor | None = None
+        max_scores: Tensor | None = None
+
+
+# The kernel modules, imported by ready() (they import triton, which must come after
+# prepare_triton) and kept here, so that a call reaches them without an import statement.
+_forward = _decode = _backward = _lowering = _vjp = None
+
+
+def ready() -> None:
+    """Choose the interpreter before any kernel module is imported (flexcore._runtime) and import
+    the kernel modules; once per process (later imports of triton decorate for the interpreter by
+    themselves)."""
+    global _forward, _decode, _backward, _lowering, _vjp
+    if _vjp is None:
+        prepare_triton()
+        import flexcore.kernels.backward as _backward
+        import flexcore.kernels.decode as _decode
+        import flexcore.kernels.forward as _forward
+        import flexcore.lowering as _lowering
+        import flexcore.lowering.vjp as _vjp
+
+
+def check_call(query, key, value, score_mod, block_mask, scale, enable_gqa) -> None:
+    """Raise InputError naming the argument when the inputs cannot be attended by the kernels
+    (the checks that read shapes, dtypes and devices only, which torch.compile traces too)."""
     check_qkv(query, key, value, enable_gqa)
     D, Dv = query.shape[-1], value.shape[-1]
     if max(D, Dv) > 256:
         raise InputError(f"head dims up to 256 are supported; got D={D}, Dv={Dv}")
     if scale is not None and not isinstance(scale, (int, float)):
         raise InputError(f"scale must be a float or None, got {type(scale).__name__}")
+    if score_mod is not None and not callable(score_mod):
+        raise InputError(f"score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
+                         f"got {type(score_mod).__name__}")
     if block_mask is not None:
         check_block_mask(block_mask, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
                          query.device)
+
+
+def validate_inputs(query, key, value, block_mask, scale, enable_gqa) -> None:
+    """Raise InputError naming the argument when the inputs cannot be attended by the kernels."""
+    check_call(query, key, value, None, block_mask, scale, enable_gqa)
     if query.device.type != "cuda" and not use_interpreter():
         raise InputError(f"flexcore's kernels run on CUDA tensors on this machine; query is on "
                          f"{query.device}. Move the inputs with .cuda(), or use flexcore.reference")
@@ -53,6 +108,7 @@ def _mask_views(block_mask, B, Hq, kind, build, stamp=None):
     same mask at every step): entries hold the mask weakly and leave with it, so the cache never
     keeps tables alive. ``stamp``: a value that must be unchanged for an entry to be reused."""
     key = (id(block_mask), B, Hq, kind)
+    stamp = (block_mask.version, stamp)  # an assigned attribute (mask_mod, tables) drops the entry
     hit = _views_cache.get(key)
     if hit is not None and hit[0]() is block_mask and hit[1] == stamp:
         return hit[2]
@@ -76,7 +132,10 @@ def _kv_blocks(block_mask, B, Hq):
 
     def build():
         try:
-            orders = _schedules.setdefault(block_mask, {})
+            entry = _schedules.get(block_mask)
+            if entry is None or entry[0] != block_mask.version:
+                entry = _schedules[block_mask] = (block_mask.version, {})
+            orders = entry[1]
         except TypeError:  # not weak-referenceable: its orders live with these views
             orders = None
         try:
@@ -103,7 +162,7 @@ def _refine_kv(mask_ref, B, Hq, captured, compute: bool):
 
     stamp = versions(captured)
     hit = _views_cache.get((id(block_mask), B, Hq, "kv_fine"))
-    if hit is not None and hit[0]() is block_mask and hit[1] == stamp:
+    if hit is not None and hit[0]() is block_mask and hit[1] == (block_mask.version, stamp):
         return hit[2]
     if not compute:
         return None
@@ -147,9 +206,8 @@ def _q_blocks(block_mask, B, Hq):
 
 def _decodes(query, opts) -> bool:
     """Whether the decode kernel runs the forward (short queries), rather than the forward kernel."""
-    from flexcore.kernels.decode import use_decode_kernel
-
-    return query.dtype != torch.float64 and use_decode_kernel(query.shape[2], opts)
+    ready()
+    return query.dtype != torch.float64 and _decode.use_decode_kernel(query.shape[2], opts)
 
 
 def _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, opts) -> None:
@@ -170,110 +228,296 @@ def _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, opts) 
                   (_q_blocks(block_mask, B, Hq), math.ceil(key.shape[2] / sparse_kv))])
 
 
-def _run_kernels(query, key, value, score_lowered, mask_lowered, blocks, scale, opts):
-    """(out, lse, row_stats) of the forward or the decode kernel; row_stats is None from decode."""
-    from flexcore.kernels.decode import decode
-    from flexcore.kernels.forward import forward
-
+def forward_kernels(query, key, value, score_lowered, mask_lowered, blocks, scale, opts,
+                    want_max: bool = False):
+    """(out, lse, row_stats, max_scores) of the forward or the decode kernel. row_stats is None
+    from decode (the backward derives it, :func:`decode_row_stats`); max_scores is None unless
+    ``want_max``."""
     if _decodes(query, opts):
-        out, lse = decode(query, key, value, score_lowered, mask_lowered, blocks, scale, opts)
-        return out, lse, None
+        if want_max:
+            out, lse, max_scores = _decode.decode(query, key, value, score_lowered, mask_lowered,
+                                                  blocks, scale, opts, return_max_scores=True)
+            return out, lse, None, max_scores
+        out, lse = _decode.decode(query, key, value, score_lowered, mask_lowered, blocks, scale, opts)
+        return out, lse, None, None
     B = query.shape[0]
-    # A shared (batch 1) cache is read through stride-0 views.
-    return forward(query, key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1),
-                   score_lowered, mask_lowered, blocks, scale, opts)
+    if key.shape[0] != B:  # a shared (batch 1) cache is read through stride-0 views
+        key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)
+    out, lse, row_stats = _forward.forward(query, key, value, score_lowered, mask_lowered, blocks,
+                                           scale, opts)
+    return out, lse, row_stats, (_forward.max_scores(row_stats) if want_max else None)
+
+
+def decode_row_stats(lse: Tensor, max_scores: Tensor | None) -> Tensor:
+    """The forward kernel's row statistics (row max in log2 units, 1/row sum) for the decode
+    kernel's lse (and row max, when it returned one: then the first row holds the true max, so
+    that ``max_scores`` can be read from it)."""
+    if max_scores is None:
+        return _forward.row_stats_from_lse(lse)
+    # p = exp2(s * log2(e) - m) / l with m = max * log2(e) and 1/l = exp(max - lse): 0 on rows
+    # without a kept key (max = lse = -inf).
+    inv_l = torch.where(torch.isfinite(lse), torch.exp(max_scores - lse), torch.zeros_like(lse))
+    return torch.stack([max_scores * (1.0 / math.log(2.0)), inv_l])
+
+
+def backward_kernels(query, key, value, out, row_stats, grad_out, grad_lse, score_lowered,
+                     score_bwd_lowered, mask_lowered, block_mask, blocks, scale, opts):
+    """(dq, dk, dv, captured_grads) of flexcore.kernels.backward.backward (``blocks``: the
+    forward's, ``_kv_blocks(block_mask, B, Hq)``); a shared (batch 1) key/value cache gets its
+    gradient summed over the batch."""
+    B, Hq = query.shape[:2]
+    shared = key.shape[0] != B
+    dq, dk, dv, captured_grads = _backward.backward(
+        query, key.expand(B, -1, -1, -1) if shared else key,
+        value.expand(B, -1, -1, -1) if shared else value, out, row_stats, grad_out, score_lowered,
+        score_bwd_lowered, mask_lowered, blocks, _q_blocks(block_mask, B, Hq), scale, opts,
+        grad_lse=grad_lse)
+    if shared:
+        dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
+    return dq, dk, dv, captured_grads
 
 
 class _FlexAttention(torch.autograd.Function):
-    """Forward (or decode) kernel; fused backward kernels. Captured tensors of the score_mod are
-    inputs of ``apply`` so that autograd routes their gradients."""
+    """Forward (or decode) kernel; fused backward kernels, differentiating out and lse. Captured
+    tensors of the score_mod are inputs of ``apply`` so that autograd routes their gradients."""
 
     @staticmethod
-    def forward(ctx, query, key, value, score_lowered, mask_lowered, blocks, scale, opts,
-                block_mask, score_mod, *captured):
-        out, lse, row_stats = _run_kernels(query, key, value, score_lowered, mask_lowered, blocks,
-                                           scale, opts)
-        # The decode kernel keeps only lse: the backward derives the row statistics from it.
-        ctx.save_for_backward(query, key, value, out, lse if row_stats is None else row_stats)
-        ctx.stats_from_lse = row_stats is None
-        ctx.bwd = (score_lowered, mask_lowered, blocks, scale, opts, block_mask, score_mod)
-        ctx.mark_non_differentiable(lse)
-        # lse has no gradient: autograd need not fill a zero tensor for it at every backward. The
-        # backward then takes None for an undefined gradient of out too (gradcheck sends one).
+    def forward(ctx, query, key, value, call, block_mask, blocks, score_mod, score_lowered,
+                mask_lowered, *captured):
+        out, lse, row_stats, max_scores = forward_kernels(query, key, value, score_lowered,
+                                                          mask_lowered, blocks, call.scale,
+                                                          call.opts, call.want_max)
+        if row_stats is None:  # the decode kernel keeps lse (and the row max): derived later
+            ctx.save_for_backward(query, key, value, out, lse, max_scores)
+        else:
+            ctx.save_for_backward(query, key, value, out, row_stats)
+        ctx.call, ctx.block_mask, ctx.blocks, ctx.score_mod = call, block_mask, blocks, score_mod
+        ctx.score_lowered, ctx.mask_lowered = score_lowered, mask_lowered
+        if max_scores is not None:
+            ctx.mark_non_differentiable(max_scores)
+        # Unused outputs need no zero gradients filled in at every backward (gradcheck also
+        # sends undefined ones).
         ctx.set_materialize_grads(False)
-        return out, lse
+        return out, lse, max_scores
 
     @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        from flexcore.kernels.backward import backward
-        from flexcore.kernels.forward import row_stats_from_lse
-        from flexcore.lowering.vjp import lower_score_mod_backward
+    def backward(ctx, grad_out, grad_lse, _grad_max):
+        n_inputs = 9 + len(ctx.score_lowered.captured)
+        if grad_out is None and grad_lse is None:
+            return (None,) * n_inputs
+        query, key, value, out, *stats = ctx.saved_tensors
+        row_stats = stats[0] if len(stats) == 1 else decode_row_stats(*stats)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        call = ctx.call
+        score_bwd = _score_backward(ctx.score_mod, ctx.score_lowered, call.score_dtype)
+        dq, dk, dv, captured_grads = backward_kernels(
+            query, key, value, out, row_stats, grad_out, grad_lse, ctx.score_lowered, score_bwd,
+            ctx.mask_lowered, ctx.block_mask, ctx.blocks, call.scale, call.opts)
+        return (dq, dk, dv, *(None,) * 6, *captured_grads)
 
-        query, key, value, out, row_stats = ctx.saved_tensors
-        if grad_out is None:  # an undefined gradient (not materialised, see forward): none flows back
-            return (None,) * (10 + len(ctx.bwd[0].captured))
-        if ctx.stats_from_lse:
-            row_stats = row_stats_from_lse(row_stats)
-        score_lowered, mask_lowered, blocks, scale, opts, block_mask, score_mod = ctx.bwd
-        B, Hq = query.shape[:2]
-        dq, dk, dv, captured_grads = backward(
-            query, key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1), out, row_stats, grad_out,
-            score_lowered, lower_score_mod_backward(score_mod, score_lowered, query.dtype if query.dtype == torch.float64 else torch.float32),
-            mask_lowered,
-            blocks, _q_blocks(block_mask, B, Hq), scale, opts)
-        if key.shape[0] != B:  # a shared batch-1 cache: its gradient sums over the batch
-            dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
-        return (dq, dk, dv, None, None, None, None, None, None, None, *captured_grads)
+
+# Lowered score_mod gradients per lowered score_mod (the lowering returns the same LoweredMod
+# while the mod is unchanged) and per (requires_grad of its captured tensors, score dtype).
+_score_backwards: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _score_backward(score_mod, score_lowered, score_dtype):
+    """``flexcore.lowering.vjp.lower_score_mod_backward``, remembered with the forward's lowering."""
+    key = (tuple(t.requires_grad for t in score_lowered.captured), score_dtype)
+    kept = _score_backwards.get(score_lowered)
+    if kept is None:
+        kept = _score_backwards[score_lowered] = {}
+    found = kept.get(key)
+    if found is None:
+        found = kept[key] = _vjp.lower_score_mod_backward(score_mod, score_lowered, score_dtype)
+    return found
+
+
+class _Call:
+    """What a call derives from its inputs' shapes, dtypes and devices, the BlockMask's state,
+    the scale and the options: checked once, reused by every call that matches (_prepared). It
+    holds the mask weakly, and leaves the cache with it."""
+
+    __slots__ = ("mask_ref", "scale", "opts", "want_max", "B", "Hq", "score_dtype", "fast_math",
+                 "prefetched")
+
+    def __init__(self, query, mask_ref, scale, opts, want_max):
+        self.mask_ref = mask_ref
+        self.scale = scale
+        self.opts = opts
+        self.want_max = want_max
+        self.B, self.Hq = query.shape[:2]
+        self.score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+        # 16-bit inputs round scores far more coarsely than approximate transcendentals err.
+        self.fast_math = query.dtype in (torch.float16, torch.bfloat16)
+        self.prefetched = False
+
+
+# Prepared calls by (input signature, mask state, scale, options): see _prepared.
+_calls: dict = {}
+_CALLS_LIMIT = 256
+
+
+def _mask_state(block_mask):
+    """What identifies a BlockMask's current state: the object, and its version where it has one
+    (assignments to a BlockMask change it)."""
+    if block_mask is None:
+        return None
+    return id(block_mask), getattr(block_mask, "version", None)
+
+
+def _options_key(kernel_options):
+    if kernel_options is None or isinstance(kernel_options, KernelOptions):
+        return kernel_options
+    if isinstance(kernel_options, dict):  # by contents: a dict can change in place
+        return tuple(kernel_options.items())
+    return id(kernel_options)
+
+
+def _prepared(query, key, value, block_mask, scale, enable_gqa, kernel_options, want_max):
+    """(call, block_mask): the checked, prepared call for these inputs, from the cache where an
+    earlier call had the same shapes, dtypes, devices, mask state, scale and options, else checked
+    and prepared now; and the BlockMask the kernels read (the all-full one for None)."""
+    try:
+        ident = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
+                 query.device, key.device, value.device, _mask_state(block_mask), scale,
+                 enable_gqa, _options_key(kernel_options), want_max)
+        call = _calls.get(ident)
+    except TypeError:  # an unhashable argument (an odd scale or options): nothing to reuse
+        ident = call = None
+    if call is not None:
+        mask = call.mask_ref()
+        if mask is not None and (block_mask is None or mask is block_mask):
+            return call, mask
+    validate_inputs(query, key, value, block_mask, scale, enable_gqa)
+    opts = KernelOptions.from_any(kernel_options)
+    if block_mask is None:
+        block_mask = _full_block_mask(query.shape[2], key.shape[2], query.device)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    try:
+        mask_ref = weakref.ref(block_mask)
+    except TypeError:  # not weak-referenceable: this call is not kept
+        mask_ref, ident = (lambda: block_mask), None
+    call = _Call(query, mask_ref, scale, opts, want_max)
+    if ident is not None:
+        if len(_calls) >= _CALLS_LIMIT:
+            _calls.clear()
+        _calls[ident] = call
+        weakref.finalize(block_mask, _calls.pop, ident, None)
+    return call, block_mask
+
+
+def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max):
+    """(out, lse, max_scores) of an eager call."""
+    ready()
+    if score_mod is not None and not callable(score_mod):
+        raise InputError(f"score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
+                         f"got {type(score_mod).__name__}")
+    call, block_mask = _prepared(query, key, value, block_mask, scale, enable_gqa, kernel_options,
+                                 want_max)
+    block_mask.check_unmodified()  # tables edited in place since the mask was built are refused
+    # Lowering is cached on the mods' structure and checked at every call: a closure cell or a
+    # global that a mod reads may have been rebound since.
+    score_lowered = _lowering.lower_score_mod(score_mod, call.score_dtype, fast_math=call.fast_math)
+    mask_lowered = _lowering.lower_mask_mod(block_mask.mask_mod)
+    check_indices(score_lowered, mask_lowered, call.B, call.Hq, query.shape[2], key.shape[2], call.opts)
+    blocks = _kv_blocks(block_mask, call.B, call.Hq)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
+                                    or any(t.requires_grad for t in score_lowered.captured)):
+        if not call.prefetched:
+            _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, call.opts)
+            call.prefetched = True
+        return _FlexAttention.apply(query, key, value, call, block_mask, blocks, score_mod,
+                                    score_lowered, mask_lowered, *score_lowered.captured)
+    # Inference (decoding steps above all): no autograd node, no saved tensors.
+    out, lse, _, max_scores = forward_kernels(query, key, value, score_lowered, mask_lowered,
+                                              blocks, call.scale, call.opts, want_max)
+    return out, lse, max_scores
+
+
+def check_indices(score_lowered, mask_lowered, B: int, Hq: int, L: int, S: int, opts) -> None:
+    """Refuse mods that index a captured tensor out of range on this call's grid
+    (flexcore.lowering.check_indices): proven or evaluated once per mod and shape; indices read
+    from captured values are checked at every call on the interpreter and under
+    ``KernelOptions(check_indices=True)`` (one min/max per such tensor, a GPU sync)."""
+    runtime = use_interpreter() or opts.check_indices
+    _lowering.check_indices(score_lowered, "score", B, Hq, L, S, runtime=runtime)
+    _lowering.check_indices(mask_lowered, "mask", B, Hq, L, S, runtime=runtime)
+
+
+_warned_return_lse = False
+
+
+def _requested(return_lse, return_aux) -> tuple[bool, bool]:
+    """(lse, max_scores) requested, with torch's rules: return_aux=AuxRequest(...) replaces the
+    deprecated return_lse, and the two cannot be combined."""
+    global _warned_return_lse
+    if return_aux is None:
+        if return_lse and not _warned_return_lse and not torch.compiler.is_compiling():
+            _warned_return_lse = True
+            warnings.warn("return_lse is deprecated (as in torch.nn.attention.flex_attention); use "
+                          "return_aux=AuxRequest(lse=True) instead", FutureWarning, stacklevel=3)
+        return bool(return_lse), False
+    if return_lse:
+        raise InputError("Cannot specify both return_lse and return_aux: return_lse is deprecated, "
+                         "use return_aux=AuxRequest(lse=True) instead")
+    try:
+        return bool(return_aux.lse), bool(return_aux.max_scores)
+    except AttributeError:
+        raise InputError(f"return_aux must be a flexcore.AuxRequest (lse=..., max_scores=...) or "
+                         f"None, got {type(return_aux).__name__}") from None
 
 
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMod | None = None,
                    block_mask=None, scale: float | None = None, enable_gqa: bool = False,
-                   return_lse: bool = False, kernel_options=None):
+                   return_lse: bool = False, kernel_options=None, *, return_aux=None):
     """Attention with a user score_mod and a block-sparse mask, in one fused Triton kernel.
 
-    Same signature and semantics as ``torch.nn.attention.flex_attention.flex_attention``.
+    Same signature and semantics as ``torch.nn.attention.flex_attention.flex_attention``; it also
+    works inside ``torch.compile`` (``fullgraph=True``, dynamic shapes, CUDA graphs), where it is
+    captured as the custom ops of :mod:`flexcore.ops`.
 
     Args:
-        query: (B, Hq, L, D); key: (B, Hkv, S, D); value: (B, Hkv, S, Dv). float16, bfloat16 or float32.
+        query: (B, Hq, L, D); key: (B, Hkv, S, D); value: (B, Hkv, S, Dv). float16, bfloat16,
+            float32 or float64.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to every computed score.
         block_mask: a :class:`flexcore.BlockMask`; None attends everywhere.
         scale: multiplies q·k; default ``1/sqrt(D)``.
         enable_gqa: allow Hq to be a multiple of Hkv (grouped-query attention).
-        return_lse: also return the log-sum-exp of the scores, (B, Hq, L) float32.
+        return_lse: deprecated (as in torch): also return the log-sum-exp of the scores.
         kernel_options: a :class:`flexcore.KernelOptions` or a dict of its fields.
+        return_aux: an :class:`AuxRequest` of the auxiliary outputs to return.
 
     Returns:
-        out (B, Hq, L, Dv) in the inputs' dtype, and lse if ``return_lse``.
+        out (B, Hq, L, Dv) in the inputs' dtype; with ``return_aux``, ``(out, AuxOutput(lse,
+        max_scores))``, a field None unless requested; with ``return_lse``, ``(out, lse)``.
+        lse (B, Hq, L) float32 (float64 for float64 inputs) is the natural-log log-sum-exp of each
+        row's modded, masked scores and is differentiable (gradients reach q, k and the captured
+        tensors); max_scores (same shape and dtype) is each row's largest of those scores, not
+        differentiable. Rows without a kept key have lse and max_scores -inf.
 
     Example:
         >>> def alibi(score, b, h, q_idx, kv_idx):
         ...     return score - slopes[h] * (q_idx - kv_idx).abs()
         >>> out = flex_attention(q, k, v, score_mod=alibi, block_mask=causal_mask)
+        >>> out, aux = flex_attention(q, k, v, block_mask=causal_mask,
+        ...                           return_aux=AuxRequest(lse=True, max_scores=True))
     """
-    from flexcore.lowering import lower_mask_mod, lower_score_mod
+    if isinstance(query, Tensor) and query.is_nested:  # a ragged batch as one stacked sequence
+        from flexcore.nested import nested_flex_attention
 
-    prepare_triton()  # before anything imports triton's jit machinery on an interpreter machine
-    validate_inputs(query, key, value, block_mask, scale, enable_gqa)
-    opts = KernelOptions.from_any(kernel_options)
-    if score_mod is not None and not callable(score_mod):
-        raise InputError(f"score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
-                         f"got {type(score_mod).__name__}")
-    B, Hq, L, D = query.shape
-    S = key.shape[2]
-    if block_mask is None:
-        block_mask = _full_block_mask(L, S, query.device)
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    # 16-bit inputs round scores far more coarsely than approximate transcendentals err.
-    score_lowered = lower_score_mod(score_mod, score_dtype,
-                                    fast_math=query.dtype in (torch.float16, torch.bfloat16))
-    mask_lowered = lower_mask_mod(block_mask.mask_mod)
-    blocks = _kv_blocks(block_mask, B, Hq)
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
-                                    or any(t.requires_grad for t in score_lowered.captured)):
-        _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, opts)
-        out, lse = _FlexAttention.apply(query, key, value, score_lowered, mask_lowered, blocks, scale,
-                                        opts, block_mask, score_mod, *score_lowered.captured)
-    else:  # inference (decoding steps above all): no autograd node, no saved tensors
-        out, lse, _ = _run_kernels(query, key, value, score_lowered, mask_lowered, blocks, scale, opts)
+        return nested_flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                     return_lse, kernel_options, return_aux=return_aux)
+    want_lse, want_max = _requested(return_lse, return_aux)
+    if torch.compiler.is_compiling():
+        out, lse, max_scores = ops.compiled_flex_attention(query, key, value, score_mod, block_mask,
+                                                           scale, enable_gqa, kernel_options, want_max)
+    else:
+        block_mask = coerce_block_mask(block_mask)  # a torch BlockMask, converted once
+        out, lse, max_scores = _eager(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                      kernel_options, want_max)
+    if return_aux is not None:
+        return out, AuxOutput(lse=lse if want_lse else None,
+                              max_scores=max_scores if want_max else None)
     return (out, lse) if return_lse else out

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import math
 import operator
 import traceback
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from typing import Iterator, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import GetAttrKey, register_pytree_node
+from torch.utils.weak import WeakIdKeyDictionary
 
 from flexcore._runtime import prepare_triton, resolve_device
 from flexcore._types import MaskMod, ScoreMod
@@ -182,8 +185,10 @@ def _call_mod(fn, args: tuple[Tensor, ...], kind: str) -> Tensor:
     names = ("b", "h", "q_idx", "kv_idx")
     if kind == "score":
         names = ("score",) + names
+    from flexcore.lowering.eager import call_per_element  # lowering imports this module
+
     try:
-        return fn(*args)
+        return call_per_element(fn, args, kind)
     except FlexError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the mod's name and line
@@ -397,9 +402,16 @@ def _map_from_ordered(num: Tensor, indices: Tensor, value: int, out: Tensor) -> 
         out[:, :, rows].masked_fill_(dense[..., :C], value)
 
 
+_INTEGER_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
 def _check_table(name: str, num: Tensor | None, indices: Tensor | None, expect: tuple | None,
-                 device: torch.device | None) -> None:
-    """Shape/dtype/device checks of one (num, indices) pair; no data reads (no device sync)."""
+                 device: torch.device | None, any_integer: bool = False) -> None:
+    """Shape/dtype/device checks of one (num, indices) pair; no data reads (no device sync).
+
+    Args:
+        any_integer: accept every integer dtype (from_kv_blocks converts); else int32 only.
+    """
     if num is None and indices is None:
         return
     num_name = name.replace("indices", "num_blocks")
@@ -408,12 +420,17 @@ def _check_table(name: str, num: Tensor | None, indices: Tensor | None, expect: 
     for n, t, nd in ((num_name, num, 3), (name, indices, 4)):
         if not isinstance(t, Tensor):
             raise InputError(f"{n} must be a torch.Tensor; got {type(t).__name__}")
-        if t.dtype != torch.int32:
-            raise InputError(f"{n} must be int32; got {t.dtype} (convert with .to(torch.int32))")
+        if any_integer and t.dtype not in _INTEGER_DTYPES:
+            raise InputError(f"{n} must be an integer tensor (int32 or int64); got {t.dtype}")
+        if not any_integer and t.dtype != torch.int32:
+            raise InputError(f"{n} must be int32; got {t.dtype} (convert with .to(torch.int32), or "
+                             f"build the mask with BlockMask.from_kv_blocks, which converts)")
         if t.dim() != nd:
             raise InputError(f"{n} must have {nd} dims; got shape {tuple(t.shape)}")
         if device is not None and t.device != device:
             raise InputError(f"{n} is on {t.device} but kv_indices is on {device}")
+    if num.device != indices.device:
+        raise InputError(f"{num_name} is on {num.device} but {name} is on {indices.device}")
     if tuple(num.shape) != tuple(indices.shape[:3]):
         raise InputError(f"{num_name} shape {tuple(num.shape)} must equal {name}.shape[:3] = "
                          f"{tuple(indices.shape[:3])}")
@@ -421,29 +438,129 @@ def _check_table(name: str, num: Tensor | None, indices: Tensor | None, expect: 
         raise InputError(f"{name} must have shape {expect}; got {tuple(indices.shape)}")
 
 
-def _validate_listing(name: str, num: Tensor, indices: Tensor) -> None:
-    """Data checks: counts in range, listed indices in range and strictly increasing."""
+def _concrete(tensors) -> bool:
+    """Whether the tables hold data that may be read now: not while torch.compile traces (fake
+    tensors), not for meta tensors and not inside a CUDA graph capture (no read-back there)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from flexcore._runtime import capturing
+
+    if torch.compiler.is_compiling() or capturing():
+        return False
+    return not any(t.device.type == "meta" or is_fake(t) for t in tensors)
+
+
+# What _listing_flags reports, in order; each a 0-d bool tensor computed on the tables' device.
+_COUNT, _RANGE, _ORDER = range(3)
+
+
+def _listing_flags(num: Tensor, indices: Tensor) -> Tensor:
+    """(3,) bool on the tables' device: a count outside [0, C], a listed index outside [0, C),
+    listed indices not strictly increasing. Computed without any read-back."""
     B, H, R, C = indices.shape
-    num_name = name.replace("indices", "num_blocks")
-    bad = (num < 0) | (num > C)
-    if bool(bad.any()):
-        where = tuple(int(i) for i in bad.nonzero()[0])
-        raise InputError(f"{num_name}{list(where)} = {int(num[where])}: each count must lie in "
-                         f"[0, {C}] (KV_BLOCKS = {name}.shape[-1])")
+    flags = torch.zeros(3, dtype=torch.bool, device=indices.device)
+    flags[_COUNT] = ((num < 0) | (num > C)).any()
     slots = torch.arange(C, device=indices.device)
     for rows in _row_chunks(R, B * H * C, _TABLE_CHUNK_ELEMENTS):
         idx = indices[:, :, rows]
         listed = slots < num[:, :, rows, None]
-        out_of_range = listed & ((idx < 0) | (idx >= C))
-        unordered = listed[..., 1:] & (idx[..., 1:] <= idx[..., :-1])
-        for problem, what in ((out_of_range, f"must lie in [0, {C})"),
-                              (unordered, "must be strictly increasing within each row")):
-            if bool(problem.any()):
-                b, h, r, j = (int(i) for i in problem.nonzero()[0])
-                r += rows.start
-                shown = indices[b, h, r, :int(num[b, h, r])].tolist()
-                raise InputError(f"{name}[{b}, {h}, {r}] lists {shown}: the first "
-                                 f"{num_name}[{b}, {h}, {r}] entries {what}")
+        flags[_RANGE] |= (listed & ((idx < 0) | (idx >= C))).any()
+        flags[_ORDER] |= (listed[..., 1:] & (idx[..., 1:] <= idx[..., :-1])).any()
+    return flags
+
+
+def _raise_listing_error(name: str, num: Tensor, indices: Tensor, problem: int) -> None:
+    """The InputError for ``problem`` (found by _listing_flags), naming the first bad entry."""
+    B, H, R, C = indices.shape
+    num_name = name.replace("indices", "num_blocks")
+    what = "key" if name.endswith("kv_indices") else "query"
+    if problem == _COUNT:
+        where = tuple(int(i) for i in ((num < 0) | (num > C)).nonzero()[0])
+        raise InputError(f"{num_name}{list(where)} = {int(num[where])}: each count must lie in "
+                         f"[0, {C}] ({C} {what} blocks = {name}.shape[-1])")
+    slots = torch.arange(C, device=indices.device)
+    listed = slots < num[..., None]
+    if problem == _RANGE:
+        b, h, r, j = (int(i) for i in (listed & ((indices < 0) | (indices >= C))).nonzero()[0])
+        value = int(indices[b, h, r, j])
+        side = "past the last" if value >= C else "before the first"
+        raise InputError(f"{name}[{b}, {h}, {r}, {j}] = {value} points {side} {what} block: the "
+                         f"first {num_name}[{b}, {h}, {r}] = {int(num[b, h, r])} entries of each "
+                         f"row must lie in [0, {C}) ({C} {what} blocks = {name}.shape[-1])")
+    b, h, r, j = (int(i) for i in (listed[..., 1:] & (indices[..., 1:] <= indices[..., :-1]))
+                  .nonzero()[0])
+    shown = indices[b, h, r, :int(num[b, h, r])].tolist()
+    repeated = shown[j] == shown[j + 1]
+    detail = (f"block {shown[j]} is listed twice; each block may be listed once" if repeated else
+              "they must be strictly increasing (BlockMask.from_kv_blocks sorts them)")
+    raise InputError(f"{name}[{b}, {h}, {r}] lists {shown}: {detail}")
+
+
+def _validate_listings(pairs: dict[str, tuple[Tensor, Tensor]],
+                       overlap: tuple[str, str] | None = None, ordered: bool = True) -> list[str]:
+    """Data checks of several (num, indices) pairs with one read-back: counts and listed indices
+    in range, listed indices strictly increasing, and (``overlap``: two table names) no block
+    listed in both. Skipped where the tables hold no readable data (see _concrete).
+
+    Returns:
+        with ``ordered=False``, the names of the tables whose rows are not strictly increasing
+        (accepted: the caller sorts them); otherwise [] (such rows raise).
+    """
+    if not pairs or not _concrete([t for pair in pairs.values() for t in pair]):
+        return []
+    flags = [_listing_flags(num, idx) for num, idx in pairs.values()]
+    if overlap is not None:
+        flags.append(_overlap_flag(*pairs[overlap[0]], *pairs[overlap[1]]).reshape(1))
+    found = torch.cat(flags).tolist()  # the one read-back
+    unordered = []
+    for i, (name, (num, idx)) in enumerate(pairs.items()):
+        for problem in (_COUNT, _RANGE):
+            if found[3 * i + problem]:
+                _raise_listing_error(name, num, idx, problem)
+        if found[3 * i + _ORDER]:
+            if ordered:
+                _raise_listing_error(name, num, idx, _ORDER)
+            unordered.append(name)
+    if overlap is not None and found[-1]:
+        both = _dense_listed(*pairs[overlap[0]]) & _dense_listed(*pairs[overlap[1]])
+        b, h, i, j = (int(x) for x in both.nonzero()[0])
+        raise InputError(f"block [{b}, {h}, {i}, {j}] is listed both as partial ({overlap[0]}) "
+                         f"and as full ({overlap[1]}); each block may be listed once")
+    return unordered
+
+
+def _dense_listed(num: Tensor, indices: Tensor, rows: slice = slice(None)) -> Tensor:
+    """(B, H, rows, C) bool: the blocks listed by (num, indices) in ``rows``. Counts are clamped
+    and out-of-range entries dropped, so that it is safe on tables not yet validated."""
+    C = indices.shape[-1]
+    idx = indices[:, :, rows]
+    listed = torch.arange(C, device=idx.device) < num[:, :, rows, None].clamp(0, C)
+    target = torch.where(listed & (idx >= 0) & (idx < C), idx, C).long()
+    dense = torch.zeros(*idx.shape[:3], C + 1, dtype=torch.bool, device=idx.device)
+    return dense.scatter_(-1, target, True)[..., :C]
+
+
+def _overlap_flag(num: Tensor, indices: Tensor, full_num: Tensor, full_indices: Tensor) -> Tensor:
+    """0-d bool on the tables' device: some block is listed by both pairs."""
+    B, H, R, C = indices.shape
+    flag = torch.zeros((), dtype=torch.bool, device=indices.device)
+    for rows in _row_chunks(R, B * H * (C + 1), _TABLE_CHUNK_ELEMENTS):
+        flag |= (_dense_listed(num, indices, rows) & _dense_listed(full_num, full_indices, rows)).any()
+    return flag
+
+
+def _sorted_listing(num: Tensor, indices: Tensor) -> Tensor:
+    """``indices`` with the listed entries of each row sorted in increasing order (the padding
+    after them is kept)."""
+    B, H, R, C = indices.shape
+    out = indices.clone()
+    slots = torch.arange(C, device=indices.device)
+    for rows in _row_chunks(R, B * H * C, _TABLE_CHUNK_ELEMENTS):
+        idx = indices[:, :, rows]
+        listed = slots < num[:, :, rows, None]
+        ordered = torch.where(listed, idx, C).sort(dim=-1).values  # unlisted entries sort last
+        out[:, :, rows] = torch.where(listed, ordered, idx)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -461,16 +578,80 @@ def _sliced_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Ten
     raise InputError(
         "this BlockMask was sliced (bm[...]), so the original mask_mod no longer matches its "
         "batch/head/query-block numbering. Give it a mask_mod that does, e.g. for decoding:\n"
-        "    mask = block_mask[:, :, row].with_mask_mod(\n"
-        "        lambda b, h, q, kv: block_mask.mask_mod(b, h, q + offset, kv), seq_lengths=(1, KV_LEN))\n"
-        "(equivalently dataclasses.replace(mask, mask_mod=..., seq_lengths=...)).")
+        "    mask = block_mask[:, :, row]\n"
+        "    mask.mask_mod = lambda b, h, q, kv: block_mask.mask_mod(b, h, q + offset, kv)\n"
+        "    mask.seq_lengths = (1, KV_LEN)\n"
+        "(or mask.with_mask_mod(mod, seq_lengths=(1, KV_LEN)), which returns a copy).")
 
 
 _TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
            "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+_KV_TABLES, _Q_TABLES = _TABLES[:4], _TABLES[4:]
+#: Index-table names, each with its count table: name.replace("indices", "num_blocks").
+_INDEX_TABLES = ("kv_indices", "full_kv_indices", "q_indices", "full_q_indices")
+#: Attributes that may be assigned after construction, as on torch's BlockMask.
+_ASSIGNABLE = frozenset(_TABLES + ("seq_lengths", "BLOCK_SIZE", "mask_mod"))
+#: Each BlockMask state (construction, then every assignment) takes the next number, so a token
+#: read from BlockMask.version identifies one state of one mask.
+_TOKENS = itertools.count(1)
+#: Checks that a table's producer attaches to a key-block index table (PagedAttention: the page
+#: table it was converted under). They follow the table object into every BlockMask holding it
+#: (copies, dataclasses.replace, with_mask_mod) and leave with it.
+_TABLE_GUARDS = WeakIdKeyDictionary()
 
 
-@dataclass(frozen=True, repr=False, eq=False)
+def _checked_mask_mod(mask_mod) -> MaskMod:
+    if mask_mod is None:
+        return noop_mask
+    if not callable(mask_mod):
+        raise InputError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool tensor or "
+                         f"None; got {type(mask_mod).__name__}")
+    return mask_mod
+
+
+def _check_tables(tables: dict) -> None:
+    """Structure of all eight tables (shapes, dtypes, devices, which are given); no data reads."""
+    if tables["kv_num_blocks"] is None or tables["kv_indices"] is None:
+        raise InputError("kv_num_blocks and kv_indices are required")
+    _check_table("kv_indices", tables["kv_num_blocks"], tables["kv_indices"], None, None)
+    device = tables["kv_indices"].device
+    B, H, QB, KB = tables["kv_indices"].shape
+    for name, expect in (("full_kv_indices", (B, H, QB, KB)), ("q_indices", (B, H, KB, QB)),
+                         ("full_q_indices", (B, H, KB, QB))):
+        _check_table(name, tables[name.replace("indices", "num_blocks")], tables[name], expect,
+                     device)
+    if tables["full_q_indices"] is not None and tables["q_indices"] is None:
+        raise InputError("full_q_* are given without q_*: give both or neither")
+    if (tables["q_indices"] is not None
+            and (tables["full_q_indices"] is None) != (tables["full_kv_indices"] is None)):
+        raise InputError("full_q_* must be given exactly when full_kv_* are")
+
+
+def _validate_tables(tables: dict, names: tuple[str, ...] = _INDEX_TABLES) -> None:
+    """Data checks of the index tables ``names`` (those given), with one read-back."""
+    pairs = {n: (tables[n.replace("indices", "num_blocks")], tables[n]) for n in names
+             if tables[n] is not None}
+    overlap = (("kv_indices", "full_kv_indices")
+               if {"kv_indices", "full_kv_indices"} <= set(pairs) else None)
+    _validate_listings(pairs, overlap)
+
+
+def _watch(tables: dict, previous: tuple = (), fresh: tuple[str, ...] = ()) -> tuple:
+    """(name, table, version) of each table with a version counter (not inference tensors),
+    keeping the recorded version of a table that ``previous`` already watched, except for the
+    tables named in ``fresh`` (just assigned, and checked)."""
+    if torch.compiler.is_compiling():
+        return ()
+    known = {id(t): v for n, t, v in previous if n not in fresh}
+    watched = []
+    for name in _TABLES:
+        t = tables[name]
+        if isinstance(t, Tensor) and not t.is_inference():
+            watched.append((name, t, known.get(id(t), t._version)))
+    return tuple(watched)
+
+
+@dataclass(repr=False, eq=False)
 class BlockMask:
     r"""A block-sparse attention mask: which (query block, key block) tiles are computed.
 
@@ -505,8 +686,18 @@ class BlockMask:
     - All tables are int32. B and H may be 1, meaning "the same for every batch / head".
     - ``seq_lengths = (Q_LEN, KV_LEN)``; the last block of each dimension may be ragged.
 
-    The dataclass is frozen. To swap the mask_mod or the lengths (decoding with a sliced mask), use
-    :meth:`with_mask_mod` or ``dataclasses.replace(bm, mask_mod=..., seq_lengths=...)``.
+    The constructor checks the tables' shapes, dtypes and contents (counts and listed indices in
+    range, listed indices strictly increasing, no block both partial and full; one read-back of
+    the tables' device). :meth:`from_kv_blocks` also takes int64 tables and unordered rows.
+
+    **Changing a mask.** ``mask_mod``, ``seq_lengths``, ``BLOCK_SIZE`` and the tables may be
+    assigned, as on torch's BlockMask (decoding: ``row = bm[:, :, i]; row.mask_mod = shifted;
+    row.seq_lengths = (1, KV_LEN)``). Each assignment is checked, and assigning a key-block table
+    drops the transposed ``q_*`` tables derived from the old one. :attr:`version` changes at every
+    assignment. Editing a table *in place* is refused instead: :meth:`check_unmodified` compares
+    the tables' version counters with those recorded when the mask was built.
+
+    BlockMask is a pytree node (``torch.utils._pytree``): its tables are the leaves.
 
     Example:
         >>> bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, device="cpu",
@@ -533,26 +724,125 @@ class BlockMask:
     mask_mod: MaskMod = noop_mask
 
     def __post_init__(self):
-        object.__setattr__(self, "seq_lengths", _seq_lengths_pair(self.seq_lengths))
-        object.__setattr__(self, "BLOCK_SIZE", _block_size_pair(self.BLOCK_SIZE))
-        if self.mask_mod is None:
-            object.__setattr__(self, "mask_mod", noop_mask)
-        elif not callable(self.mask_mod):
-            raise InputError(f"mask_mod must be callable (b, h, q_idx, kv_idx) -> bool tensor or "
-                             f"None; got {type(self.mask_mod).__name__}")
-        _check_table("kv_indices", self.kv_num_blocks, self.kv_indices, None, None)
-        device = self.kv_indices.device
-        B, H, QB, KB = self.kv_indices.shape
-        _check_table("full_kv_indices", self.full_kv_num_blocks, self.full_kv_indices,
-                     (B, H, QB, KB), device)
-        _check_table("q_indices", self.q_num_blocks, self.q_indices, (B, H, KB, QB), device)
-        _check_table("full_q_indices", self.full_q_num_blocks, self.full_q_indices,
-                     (B, H, KB, QB), device)
-        if self.full_q_indices is not None and self.q_indices is None:
-            raise InputError("full_q_* are given without q_*: give both or neither")
-        if (self.q_indices is not None
-                and (self.full_q_indices is None) != (self.full_kv_indices is None)):
-            raise InputError("full_q_* must be given exactly when full_kv_* are")
+        d = self.__dict__
+        trusted = d.pop("_trusted", False)
+        d["seq_lengths"] = _seq_lengths_pair(self.seq_lengths)
+        d["BLOCK_SIZE"] = _block_size_pair(self.BLOCK_SIZE)
+        d["mask_mod"] = _checked_mask_mod(self.mask_mod)
+        _check_tables(d)
+        if not trusted:
+            _validate_tables(d)
+        self._seal()
+
+    @classmethod
+    def _trusted(cls, **fields) -> BlockMask:
+        """A BlockMask of tables that flexcore built or already checked: their structure is
+        checked, their contents are not read."""
+        mask = cls.__new__(cls)
+        mask.__dict__["_trusted"] = True
+        mask.__init__(**fields)
+        return mask
+
+    def _seal(self, fresh: tuple[str, ...] = ()) -> None:
+        """Record the tables' versions (see _watch) and guards and take a new token; assignments
+        are checked from now on."""
+        d = self.__dict__
+        d["_watched"] = _watch(d, d.get("_watched", ()), fresh)
+        kv_indices = d["kv_indices"]
+        d["_guards"] = (_TABLE_GUARDS.get(kv_indices, ())
+                        if isinstance(kv_indices, Tensor) and not torch.compiler.is_compiling()
+                        else ())
+        d["_token"] = next(_TOKENS)
+        d["_ready"] = True
+
+    def __setattr__(self, name, value):
+        d = self.__dict__
+        if name not in _ASSIGNABLE or not d.get("_ready", False):
+            object.__setattr__(self, name, value)
+            return
+        if name == "mask_mod":
+            d[name] = _checked_mask_mod(value)
+        elif name == "seq_lengths":
+            d[name] = _seq_lengths_pair(value)
+        elif name == "BLOCK_SIZE":
+            d[name] = _block_size_pair(value)
+        else:
+            tables = {n: d[n] for n in _TABLES}
+            tables[name] = value
+            if name in _KV_TABLES:
+                # The transposed tables were derived from the old key-block tables; the backward
+                # computes them again from the new ones.
+                tables.update(dict.fromkeys(_Q_TABLES))
+            try:
+                _check_tables(tables)
+            except InputError as exc:
+                raise InputError(
+                    f"cannot assign BlockMask.{name}: {exc}. To replace several tables at once, "
+                    f"build a new mask: BlockMask.from_kv_blocks(...) or dataclasses.replace(mask, "
+                    f"kv_num_blocks=..., kv_indices=...)") from None
+            pair = name.replace("num_blocks", "indices")
+            overlap = ("kv_indices", "full_kv_indices") if name in _KV_TABLES else ()
+            _validate_tables(tables, tuple(dict.fromkeys((pair, *overlap))))
+            d.update(tables)
+            self._seal(fresh=(name,))
+            return
+        self._seal()
+
+    def __getstate__(self):
+        return {f.name: self.__dict__[f.name] for f in dataclasses.fields(self)}
+
+    def __setstate__(self, state):
+        # Copies and unpickled masks hold new tensors: their versions are recorded afresh.
+        self.__dict__.update(state)
+        self._seal()
+
+    @property
+    def version(self) -> int:
+        """A number that changes at every assignment to the mask (mask_mod, seq_lengths,
+        BLOCK_SIZE, a table) and differs between masks: a cache tied to this mask's state keeps
+        it beside its entries and recomputes them when it differs."""
+        return self.__dict__["_token"]
+
+    def check_unmodified(self) -> None:
+        """Raise InputError if a table was edited in place since the mask was built, or if its
+        producer no longer vouches for it (a PagedAttention conversion after erase/reserve).
+
+        Cheap (a few integer comparisons on the host): call it before every launch. A mask's
+        tables cannot change in place: kernels and caches (launch orders, transposed tables,
+        statistics) are derived from them once.
+        """
+        if torch.compiler.is_compiling():
+            return
+        d = self.__dict__
+        for name, table, version in d["_watched"]:
+            if table._version != version:
+                raise InputError(
+                    f"{name} was modified in place after the BlockMask was built; rebuild it with "
+                    f"BlockMask.from_kv_blocks(...) (or create_block_mask). Its version counter "
+                    f"moved from {version} to {table._version}: the tables a mask was built with "
+                    f"must stay unchanged, since the kernels' schedules and the transposed "
+                    f"tables were derived from them")
+        for guard in d["_guards"]:
+            guard()
+
+    def _add_guards(self, guards: tuple) -> None:
+        """Attach ``guards`` (callables that raise InputError when the tables are no longer
+        valid) to this mask's kv_indices, so that every mask holding that table checks them."""
+        new = tuple(g for g in guards if g not in self.__dict__["_guards"])
+        if not new:
+            return
+        combined = _TABLE_GUARDS.get(self.kv_indices, ()) + new
+        _TABLE_GUARDS[self.kv_indices] = combined
+        self.__dict__["_guards"] = combined
+
+    def _derive(self, **changes) -> BlockMask:
+        """A copy with ``changes`` (tables it shares stay unchecked: they were checked here)."""
+        self.check_unmodified()
+        fields = {f.name: self.__dict__[f.name] for f in dataclasses.fields(self)}
+        fields.update(changes)
+        derived = type(self)._trusted(**fields)
+        derived._add_guards(self.__dict__["_guards"])
+        return derived
 
     # -- construction ----------------------------------------------------------------------------
 
@@ -566,9 +856,13 @@ class BlockMask:
                        compute_q_blocks: bool = True) -> BlockMask:
         """Build a BlockMask from key-block tables; computes the transposed q_* tables.
 
+        As torch's ``BlockMask.from_kv_blocks``, the tables may have any integer dtype (they are
+        converted to int32) and list each row's blocks in any order (they are sorted); each
+        block may be listed once, and only in one of the two tables.
+
         Args:
-            kv_num_blocks: (B, H, Q_BLOCKS) int32, partial blocks per query block row.
-            kv_indices: (B, H, Q_BLOCKS, KV_BLOCKS) int32, their key-block indices first, increasing.
+            kv_num_blocks: (B, H, Q_BLOCKS) integer, partial blocks per query block row.
+            kv_indices: (B, H, Q_BLOCKS, KV_BLOCKS) integer, their key-block indices first.
                 Leading B/H dims may be omitted (then they are 1).
             full_kv_num_blocks, full_kv_indices: the same for full blocks, or None.
             BLOCK_SIZE: int or (Q_BLOCK_SIZE, KV_BLOCK_SIZE).
@@ -577,8 +871,8 @@ class BlockMask:
             compute_q_blocks: compute q_* (needed by the backward pass).
 
         Example:
-            >>> num = torch.tensor([[[1, 2]]], dtype=torch.int32)           # (1, 1, 2)
-            >>> idx = torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32)  # (1, 1, 2, 2)
+            >>> num = torch.tensor([[[1, 2]]])                 # (1, 1, 2) int64
+            >>> idx = torch.tensor([[[[0, 1], [1, 0]]]])       # row 1 lists [1, 0]
             >>> BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=64).to_dense()[0, 0]
             tensor([[1, 0],
                     [1, 1]], dtype=torch.int32)
@@ -600,32 +894,40 @@ class BlockMask:
                                              lift("full_kv_num_blocks", full_kv_num_blocks, 3))
         kv_indices, full_kv_indices = (lift("kv_indices", kv_indices, 4),
                                        lift("full_kv_indices", full_kv_indices, 4))
-        _check_table("kv_indices", kv_num_blocks, kv_indices, None, None)
+        _check_table("kv_indices", kv_num_blocks, kv_indices, None, None, any_integer=True)
         _check_table("full_kv_indices", full_kv_num_blocks, full_kv_indices,
-                     tuple(kv_indices.shape), kv_indices.device)
-        _validate_listing("kv_indices", kv_num_blocks, kv_indices)
+                     tuple(kv_indices.shape), kv_indices.device, any_integer=True)
+        pairs = {"kv_indices": (kv_num_blocks, kv_indices)}
         if full_kv_indices is not None:
-            _validate_listing("full_kv_indices", full_kv_num_blocks, full_kv_indices)
-        return cls._from_kv_blocks_unchecked(kv_num_blocks, kv_indices, full_kv_num_blocks,
-                                             full_kv_indices, BLOCK_SIZE, mask_mod, seq_lengths,
-                                             compute_q_blocks, check_overlap=True)
+            pairs["full_kv_indices"] = (full_kv_num_blocks, full_kv_indices)
+        # Checked before the conversion to int32, which would wrap large values into range.
+        unordered = _validate_listings(pairs, ("kv_indices", "full_kv_indices")
+                                       if len(pairs) == 2 else None, ordered=False)
+        if not _concrete([t for pair in pairs.values() for t in pair]):
+            unordered = list(pairs)  # unreadable now (tracing, graph capture): sort regardless
+        pairs = {n: (num.to(torch.int32), idx.to(torch.int32)) for n, (num, idx) in pairs.items()}
+        if unordered:
+            pairs.update({n: (pairs[n][0], _sorted_listing(*pairs[n])) for n in unordered})
+            _validate_listings({n: pairs[n] for n in unordered})  # only repeated blocks remain
+        full = pairs.get("full_kv_indices", (None, None))
+        return cls._from_kv_blocks_unchecked(*pairs["kv_indices"], *full, BLOCK_SIZE, mask_mod,
+                                             seq_lengths, compute_q_blocks)
 
     @classmethod
     def _from_kv_blocks_unchecked(cls, kv_num_blocks, kv_indices, full_kv_num_blocks,
                                   full_kv_indices, BLOCK_SIZE, mask_mod, seq_lengths,
-                                  compute_q_blocks, check_overlap=False) -> BlockMask:
+                                  compute_q_blocks) -> BlockMask:
         block_size = _block_size_pair(BLOCK_SIZE)
         if seq_lengths is None:
             seq_lengths = (kv_indices.shape[-2] * block_size[0], kv_indices.shape[-1] * block_size[1])
         q_tables: dict[str, Tensor | None] = {}
-        if compute_q_blocks or check_overlap:
-            block_map = _block_map_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                                      check_overlap=check_overlap)
-            if compute_q_blocks:
-                q_tables = _transposed_tables(block_map, full_kv_indices is not None)
-        return cls(seq_lengths=seq_lengths, kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
-                   full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
-                   BLOCK_SIZE=block_size, mask_mod=mask_mod, **q_tables)
+        if compute_q_blocks:
+            block_map = _block_map_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+            q_tables = _transposed_tables(block_map, full_kv_indices is not None)
+        return cls._trusted(seq_lengths=seq_lengths, kv_num_blocks=kv_num_blocks,
+                            kv_indices=kv_indices, full_kv_num_blocks=full_kv_num_blocks,
+                            full_kv_indices=full_kv_indices, BLOCK_SIZE=block_size,
+                            mask_mod=mask_mod, **q_tables)
 
     @classmethod
     def from_block_map(cls, block_map: Tensor, BLOCK_SIZE: int | tuple[int, int],
@@ -651,17 +953,24 @@ class BlockMask:
         return cls._from_block_map(block_map, BLOCK_SIZE, seq_lengths, mask_mod, compute_q_blocks)
 
     @classmethod
-    def _from_block_map(cls, block_map, BLOCK_SIZE, seq_lengths, mask_mod, compute_q_blocks=True):
+    def _from_block_map(cls, block_map, BLOCK_SIZE, seq_lengths, mask_mod, compute_q_blocks=True,
+                        with_full: bool = True):
+        """``with_full=False`` lists every computed block as partial (no full_* tables)."""
+        if not with_full:
+            block_map = block_map.clamp(max=PARTIAL)
         kv_num_blocks, kv_indices = _ordered_from_map(block_map, PARTIAL)
-        full_kv_num_blocks, full_kv_indices = _ordered_from_map(block_map, FULL)
-        q_tables = _transposed_tables(block_map, True) if compute_q_blocks else {}
-        return cls(seq_lengths=seq_lengths, kv_num_blocks=kv_num_blocks, kv_indices=kv_indices,
-                   full_kv_num_blocks=full_kv_num_blocks, full_kv_indices=full_kv_indices,
-                   BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod, **q_tables)
+        full = dict(zip(("full_kv_num_blocks", "full_kv_indices"), _ordered_from_map(block_map, FULL)
+                        if with_full else (None, None)))
+        q_tables = _transposed_tables(block_map, with_full) if compute_q_blocks else {}
+        return cls._trusted(seq_lengths=seq_lengths, kv_num_blocks=kv_num_blocks,
+                            kv_indices=kv_indices, BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod,
+                            **full, **q_tables)
 
     def with_mask_mod(self, mask_mod: MaskMod | None,
                       seq_lengths: tuple[int, int] | None = None) -> BlockMask:
         """A copy with another mask_mod (and optionally seq_lengths); the tables are shared.
+
+        Assigning ``mask.mask_mod = ...`` changes the mask itself instead.
 
         Example (decoding one query block row of a causal mask):
             >>> row = block_mask[:, :, pos // 128].with_mask_mod(
@@ -670,7 +979,61 @@ class BlockMask:
         changes = {"mask_mod": mask_mod}
         if seq_lengths is not None:
             changes["seq_lengths"] = seq_lengths
-        return dataclasses.replace(self, **changes)
+        return self._derive(**changes)
+
+    # -- torch interop ---------------------------------------------------------------------------
+
+    def to_torch(self):
+        """This mask as a ``torch.nn.attention.flex_attention.BlockMask`` sharing its tables."""
+        from flexcore.interop import to_torch_block_mask
+
+        return to_torch_block_mask(self)
+
+    @classmethod
+    def from_torch(cls, block_mask) -> BlockMask:
+        """A flexcore BlockMask from a ``torch.nn.attention.flex_attention.BlockMask`` (its tables
+        checked, converted to int32 and sorted as :meth:`from_kv_blocks` does)."""
+        from flexcore.interop import from_torch_block_mask
+
+        return from_torch_block_mask(block_mask, cls)
+
+    def as_tuple(self, flatten: bool = True) -> tuple:
+        """The mask's attributes in the order of torch 2.13's ``BlockMask.as_tuple``.
+
+        ``(*seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+        q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, dq_write_order,
+        dq_write_order_full, dq_kv_order, dq_kv_order_spt, *BLOCK_SIZE, mask_mod)``; the four
+        dq_* entries (torch's deterministic-backward metadata) are None. With ``flatten=False``
+        seq_lengths and BLOCK_SIZE stay pairs.
+        """
+        lengths = tuple(self.seq_lengths) if flatten else (self.seq_lengths,)
+        block = tuple(self.BLOCK_SIZE) if flatten else (self.BLOCK_SIZE,)
+        return (*lengths, *(getattr(self, n) for n in _TABLES), None, None, None, None, *block,
+                self.mask_mod)
+
+    def numel(self) -> int:
+        """Positions the mask covers, not counting sparsity: B * H * Q_LEN * KV_LEN."""
+        return math.prod(self.shape)
+
+    def _adjust(self, new_q_len: int, new_kv_len: int) -> BlockMask:
+        """The mask cropped to its upper-left ``(new_q_len, new_kv_len)`` corner, as torch's
+        ``BlockMask._adjust`` (right for mask_mods whose meaning does not depend on the lengths,
+        such as causal)."""
+        new_q_len, new_kv_len = _seq_lengths_pair((new_q_len, new_kv_len))
+        self.check_unmodified()
+        bq, bkv = self.BLOCK_SIZE
+        rows, cols = _cdiv(new_q_len, bq), _cdiv(new_kv_len, bkv)
+        QB, KB = self.kv_indices.shape[-2:]
+        if rows > QB or cols > KB:
+            raise InputError(f"_adjust({new_q_len}, {new_kv_len}) needs {rows} x {cols} blocks of "
+                             f"{self.BLOCK_SIZE}, but the mask has {QB} x {KB}: it can only be "
+                             f"cropped; build a new mask for longer sequences")
+        block_map = self.block_map()[:, :, :rows, :cols]
+        adjusted = type(self)._from_block_map(block_map, self.BLOCK_SIZE, (new_q_len, new_kv_len),
+                                              self.mask_mod, self.q_indices is not None,
+                                              with_full=self.full_kv_indices is not None)
+        adjusted._add_guards(self.__dict__["_guards"])
+        return adjusted
 
     # -- views --------------------------------------------------------------------------------
 
@@ -697,20 +1060,24 @@ class BlockMask:
         return BlockCounts(full=full, partial=partial, empty=total - full - partial)
 
     def sparsity(self) -> float:
-        """Percentage of blocks skipped (not computed).
+        """Percentage of the positions not computed, as torch's ``BlockMask.sparsity()``:
+        ``100 * (1 - computed blocks * Q_BLOCK_SIZE * KV_BLOCK_SIZE / numel())``.
 
-        Equals torch's ``BlockMask.sparsity()`` when Q_LEN and KV_LEN are multiples of the block
-        sizes; with a ragged edge torch counts positions, this counts blocks.
+        A computed block counts whole, so on lengths that are not block multiples the ragged
+        edge blocks count positions past the sequence (a mask computing every block of a
+        200 x 300 problem in 128 x 128 blocks gives -63.84%). :meth:`counts` gives blocks.
         """
-        counts = self.counts()
-        total = counts.full + counts.partial + counts.empty
-        return 100.0 * counts.empty / total if total else 0.0
+        computed = self.kv_num_blocks.sum()
+        if self.full_kv_num_blocks is not None:
+            computed = computed + self.full_kv_num_blocks.sum()
+        computed_size = int(computed) * self.BLOCK_SIZE[0] * self.BLOCK_SIZE[1]
+        return 100 * (1 - computed_size / self.numel())
 
     def to(self, device: torch.device | str) -> BlockMask:
         """A copy with every table on ``device``."""
         moved = {name: getattr(self, name).to(device) for name in _TABLES
                  if getattr(self, name) is not None}
-        return dataclasses.replace(self, **moved)
+        return self._derive(**moved)
 
     def __getitem__(self, index) -> BlockMask:
         """Select batches, heads and query-block rows; every dim is kept (ints select size 1).
@@ -718,7 +1085,7 @@ class BlockMask:
         ``bm[b]``, ``bm[:, h]``, ``bm[:, :, rows]`` with ints, slices or 1-d index tensors (each
         applied to its own dim). seq_lengths and BLOCK_SIZE are kept and q_* are recomputed. The
         mask_mod no longer matches the new numbering, so the result's mask_mod raises until one is
-        set with :meth:`with_mask_mod`.
+        assigned (``sliced.mask_mod = ...``) or set with :meth:`with_mask_mod`.
 
         Example:
             >>> bm = create_block_mask(causal, 4, 2, 512, 512, BLOCK_SIZE=128)
@@ -729,16 +1096,19 @@ class BlockMask:
         if len(index) > 3:
             raise IndexError(f"BlockMask takes at most 3 indices (batch, head, query block); "
                              f"got {len(index)}")
+        self.check_unmodified()
         tables = {name: getattr(self, name) for name in _TABLES[:4]}
         names = ("batch", "head", "query-block")
         for dim, (item, dim_name) in enumerate(zip(index, names)):
             sel = _normalise_index(item, self.kv_indices.shape[dim], dim_name)
             key = (slice(None),) * dim + (sel,)
             tables = {n: (t[key] if t is not None else None) for n, t in tables.items()}
-        return type(self)._from_kv_blocks_unchecked(
+        sliced = type(self)._from_kv_blocks_unchecked(
             tables["kv_num_blocks"], tables["kv_indices"], tables["full_kv_num_blocks"],
             tables["full_kv_indices"], self.BLOCK_SIZE, _sliced_mask_mod, self.seq_lengths,
             compute_q_blocks=self.q_indices is not None)
+        sliced._add_guards(self.__dict__["_guards"])
+        return sliced
 
     # -- text --------------------------------------------------------------------------------
 
@@ -851,7 +1221,8 @@ def _transposed_tables(block_map: Tensor, with_full: bool) -> dict[str, Tensor |
 
 def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
                       device: torch.device | str | None = None,
-                      BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE) -> BlockMask:
+                      BLOCK_SIZE: int | tuple[int, int] = DEFAULT_BLOCK_SIZE, _compile: bool = False,
+                      separate_full_blocks: bool = True) -> BlockMask:
     """Build the BlockMask of ``mask_mod``, classifying each block as empty, partial or full.
 
     Memory stays bounded (tiles of at most ``_CHUNK_ELEMENTS`` positions), so long sequences work:
@@ -866,6 +1237,10 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
         Q_LEN, KV_LEN: sequence lengths; need not be multiples of the block size.
         device: where the mask is built; default CUDA if available, else CPU.
         BLOCK_SIZE: int or (Q_BLOCK_SIZE, KV_BLOCK_SIZE).
+        _compile: accepted for torch's signature and ignored: the mask is built in bounded
+            memory without torch.compile (on a GPU by a Triton kernel of the lowered mask_mod).
+        separate_full_blocks: as in torch: False lists every computed block as partial (no
+            full_* tables), so the mask_mod runs on every computed block.
 
     Example:
         >>> def causal(b, h, q_idx, kv_idx):
@@ -880,12 +1255,26 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
     Q_LEN, KV_LEN = _positive_int(Q_LEN, "Q_LEN"), _positive_int(KV_LEN, "KV_LEN")
     block_size = _block_size_pair(BLOCK_SIZE)
     device = resolve_device(device)
+    _check_mod_indices(mask_mod, "mask", B, H, Q_LEN, KV_LEN)
     block_map = None
     if device.type == "cuda":
         block_map = _classify_blocks_on_gpu(mask_mod, B, H, Q_LEN, KV_LEN, block_size, device)
     if block_map is None:
         block_map = _classify_blocks_chunked(mask_mod, B, H, Q_LEN, KV_LEN, block_size, device)
-    return BlockMask._from_block_map(block_map, block_size, (Q_LEN, KV_LEN), mask_mod)
+    mask = BlockMask._from_block_map(block_map, block_size, (Q_LEN, KV_LEN), mask_mod,
+                                     with_full=bool(separate_full_blocks))
+    guard_factory = getattr(mask_mod, "_flexcore_guard_factory", None)
+    if guard_factory is not None:  # a mod over a paged cache: the mask holds for its page table
+        mask._add_guards((guard_factory(),))
+    return mask
+
+
+def _check_mod_indices(mod, kind: str, B: int, H: int, Q_LEN: int, KV_LEN: int) -> None:
+    """Refuse a mod that indexes a captured tensor out of range on this grid, before any kernel or
+    eager evaluation reads out of bounds (on a GPU that would be a device-side fault)."""
+    from flexcore.lowering import check_indices
+
+    check_indices(mod, kind, B, H, Q_LEN, KV_LEN, runtime=True)
 
 
 def _classify_blocks_on_gpu(mask_mod, B, H, Q_LEN, KV_LEN, block_size, device) -> Tensor | None:
@@ -926,6 +1315,7 @@ def create_mask(mod_fn: MaskMod | ScoreMod, B: int | None, H: int | None, Q_LEN:
     H = _positive_int(H, "H", allow_none=True) or 1
     Q_LEN, KV_LEN = _positive_int(Q_LEN, "Q_LEN"), _positive_int(KV_LEN, "KV_LEN")
     device = resolve_device(device)
+    _check_mod_indices(mod_fn, kind, B, H, Q_LEN, KV_LEN)
     out = torch.empty(B, H, Q_LEN, KV_LEN, dtype=torch.bool, device=device)
     with torch.no_grad():
         for rows in _row_chunks(Q_LEN, B * H * KV_LEN, _CHUNK_ELEMENTS):
@@ -1002,3 +1392,37 @@ def refine_block_map(block_mask: BlockMask, block_size: tuple[int, int],
             fine.index_put_(where, state[inside].to(torch.int8))
     return fine
 
+
+# ----------------------------------------------------------------------------------------------
+# Pytree node
+# ----------------------------------------------------------------------------------------------
+
+def _flatten(mask: BlockMask):
+    """Leaves: the tables that are given; context: lengths, block size, mask_mod and their names."""
+    present = tuple(name for name in _TABLES if getattr(mask, name) is not None)
+    return ([getattr(mask, name) for name in present],
+            (mask.seq_lengths, mask.BLOCK_SIZE, mask.mask_mod, present))
+
+
+def _flatten_with_keys(mask: BlockMask):
+    leaves, context = _flatten(mask)
+    return [(GetAttrKey(name), leaf) for name, leaf in zip(context[3], leaves)], context
+
+
+def _unflatten(leaves, context) -> BlockMask:
+    # Leaves may be stand-ins (fake tensors while tracing, values mapped by tree_map): they are
+    # set as they come, unchecked, as torch's BlockMask does.
+    seq_lengths, block_size, mask_mod, present = context
+    mask = BlockMask.__new__(BlockMask)
+    mask.__dict__.update(dict.fromkeys(_TABLES), seq_lengths=seq_lengths, BLOCK_SIZE=block_size,
+                         mask_mod=mask_mod)
+    mask.__dict__.update(zip(present, leaves))
+    mask._seal()
+    return mask
+
+
+# Registered with the class, as torch registers its own containers, so that tree_flatten and
+# torch.compile see the tables as leaves from the first use on.
+register_pytree_node(BlockMask, _flatten, _unflatten,
+                     serialized_type_name="flexcore.blockmask.BlockMask",
+                     flatten_with_keys_fn=_flatten_with_keys)

@@ -39,6 +39,28 @@ class UnsupportedOpError(ModError):
     """The mod uses an operation that has no Triton lowering."""
 
 
+class ModIndexError(ModError, IndexError):
+    """A mod indexes a captured tensor out of range (torch's eager evaluation raises IndexError).
+
+    Attributes (besides ModError's): ``tensor`` (the user's name for it, or a description),
+    ``size`` (the indexed dimension's size), ``dim``, ``expression`` (the index, as written in
+    the traced graph), ``position`` (a dict of the b/h/q_idx/kv_idx values of one offending
+    position, the indices the expression does not depend on left out) and ``value`` (the
+    index there); each may be None where unknown.
+    """
+
+    def __init__(self, message: str, *, tensor: str | None = None, size: int | None = None,
+                 dim: int | None = None, expression: str | None = None,
+                 position: dict | None = None, value: int | None = None, **kwargs):
+        super().__init__(message, **kwargs)
+        self.tensor = tensor
+        self.size = size
+        self.dim = dim
+        self.expression = expression
+        self.position = position
+        self.value = value
+
+
 class ControlFlowError(ModError):
     """The mod branches in Python on a tensor value (``if q_idx > 5:``)."""
 

@@ -9,6 +9,8 @@ ones and a new page table never recompiles.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -79,6 +81,40 @@ class PagedAttention:
         # A flat view shares storage with physical_to_logical, so mods that capture it see every
         # later reserve/erase without being rebuilt (and without recompiling).
         self._p2l_flat = self.physical_to_logical.view(-1)
+        # Page-table changes: in all, and per sequence (a mask depends on its own rows only).
+        self._version = 0
+        self._row_versions = [0] * max_batch_size
+
+    @property
+    def version(self) -> int:
+        """Counts the changes of the page table (a reserve that allocates, an erase). A BlockMask
+        converted before a change to one of its sequences' pages is refused: those pages may
+        belong to another sequence now. ``assign`` writes keys and values without moving pages,
+        so it leaves the version alone."""
+        return self._version
+
+    def _changed(self, b: int) -> None:
+        self._version += 1
+        self._row_versions[b] += 1
+
+    def _guard(self, rows=None):
+        """A check, attached to the BlockMasks built for the page table as it is now, that raises
+        once the pages of one of ``rows`` (page-table rows; None: all) have changed."""
+        rows = tuple(range(self.max_batch_size)) if rows is None else tuple(rows)
+        return functools.partial(self._check_rows, self._version, rows,
+                                 tuple(self._row_versions[r] for r in rows))
+
+    def _check_rows(self, version: int, rows: tuple, row_versions: tuple) -> None:
+        if self._version == version:  # nothing changed at all: the common case, one comparison
+            return
+        for row, seen in zip(rows, row_versions):
+            if self._row_versions[row] != seen:
+                raise InputError(
+                    f"this BlockMask was built for the paged cache's pages of batch_idx {row}, "
+                    f"but erase/reserve changed them since: they may now belong to another "
+                    f"sequence. Convert the logical mask again with "
+                    f"paged.convert_logical_block_mask(...) (or rebuild a mask made from "
+                    f"paged.get_mask_mod) after erase/reserve")
 
     # -- allocation ------------------------------------------------------------------------------
 
@@ -127,6 +163,7 @@ class PagedAttention:
         self.page_table[b, have:have + need] = page_ids
         self.physical_to_logical[b, page_ids] = logical
         self.capacity[b] = (have + need) * self.page_size
+        self._changed(b)
 
     def erase(self, batch_idx) -> None:
         """Free every page of sequence ``batch_idx`` (its slot can be reserved again).
@@ -144,6 +181,7 @@ class PagedAttention:
         self.capacity[b] = 0
         self.empty_pages.extend(reversed(pages))
         self._pages[b] = []
+        self._changed(b)
 
     # -- cache writes ----------------------------------------------------------------------------
 
@@ -270,6 +308,9 @@ class PagedAttention:
             return keep & mask_mod(b, h, q_idx, logical)
 
         paged_mask.__name__ = paged_mask.__qualname__ = f"paged_{name}"
+        # create_block_mask attaches the page table's guard to the masks it builds from this mod.
+        paged_mask._flexcore_guard_factory = functools.partial(
+            self._guard, None if rows is None else rows.tolist())
         return paged_mask
 
     def get_score_mod(self, score_mod: ScoreMod | None, kv_len: Tensor | None = None, *,
@@ -386,6 +427,8 @@ class PagedAttention:
         full_num, full_idx = listing(full) if block_mask.full_kv_num_blocks is not None else (None, None)
         identity_rows = torch.equal(rows.cpu(), torch.arange(B))
         mask_mod = self._wrap_mask(block_mask.mask_mod, bound, None if identity_rows else rows)
-        return BlockMask.from_kv_blocks(num, idx, full_num, full_idx, block_mask.BLOCK_SIZE, mask_mod,
-                                        seq_lengths=(block_mask.seq_lengths[0], self.n_pages * page),
-                                        compute_q_blocks=False)
+        lengths = (block_mask.seq_lengths[0], self.n_pages * page)
+        physical = BlockMask.from_kv_blocks(num, idx, full_num, full_idx, block_mask.BLOCK_SIZE,
+                                            mask_mod, seq_lengths=lengths, compute_q_blocks=False)
+        physical._add_guards((self._guard(rows.tolist()),))
+        return physical

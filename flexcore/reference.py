@@ -2,7 +2,9 @@
 
 Scores are materialised a chunk of query rows at a time (at most ``_CHUNK_SCORES`` per chunk), so
 long sequences fit in memory; under autograd each chunk is checkpointed, so the backward pass is
-bounded the same way.
+bounded the same way. Mods are evaluated with torch's per-element (vmap) semantics, after a check
+that every index they take into a captured tensor is in range (as torch's eager path, which
+raises IndexError; flexcore raises its subclass ModIndexError naming the tensor and the line).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from flexcore._validate import check_block_mask, check_qkv
 from flexcore.blockmask import (EMPTY, FULL, BlockMask, _as_bool_mask, _broadcast_result,
                                 _call_mod, _mod_kind, _mod_location, _row_chunks)
 from flexcore.errors import ModReturnError
+from flexcore.lowering import check_indices, per_element
 from flexcore.masks import noop_mask
 
 __all__ = ["flex_attention_reference"]
@@ -46,7 +49,7 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, row0: int, score_mod, mask_mod
     qg = q.to(work_dtype).reshape(B, Hkv, G * Lc, q.shape[-1])
     scores = (qg @ k.to(work_dtype).transpose(-2, -1)).view(shape) * scale
     if score_mod is not None:
-        result = _call_mod(score_mod, (scores, b, h, q_idx, kv_idx), "score")
+        result = _call_mod(per_element(score_mod, "score"), (scores, b, h, q_idx, kv_idx), "score")
         if not isinstance(result, Tensor) or not result.is_floating_point():
             name, filename, lineno = _mod_location(score_mod)
             raise ModReturnError("score_mod must return a floating-point tensor; it returned "
@@ -66,7 +69,8 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, row0: int, score_mod, mask_mod
             keep = keep | partial
         else:
             with torch.no_grad():
-                mod_keep = _as_bool_mask(_call_mod(mask_mod, (b, h, q_idx, kv_idx), "mask"),
+                mod_keep = _as_bool_mask(_call_mod(per_element(mask_mod, "mask"),
+                                                   (b, h, q_idx, kv_idx), "mask"),
                                          mask_mod, shape, device)
             keep = keep | (partial & mod_keep)
     if keep is not None:
@@ -134,6 +138,10 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
             _mod_kind(mask_mod, "flex_attention_reference", arg="block_mask.mask_mod")
     if scale is None:
         scale = 1.0 / math.sqrt(D)
+    if score_mod is not None:
+        check_indices(score_mod, "score", B, Hq, L, S, runtime=True)
+    if mask_mod is not None and mask_mod is not noop_mask:
+        check_indices(mask_mod, "mask", B, Hq, L, S, runtime=True)
 
     if upcast:
         work_dtype = out_dtype = lse_dtype = torch.float64

@@ -6,6 +6,8 @@ See flexcore/README.md ("Lowering contract"). Generated code calls the ``fl_*`` 
 from __future__ import annotations
 
 from flexcore.lowering.api import LoweredMod, lower_mask_mod, lower_score_mod
+from flexcore.lowering.eager import call_per_element, per_element
+from flexcore.lowering.indexcheck import IndexVerdict, check_indices
 
 
 def evaluate_mods(*args, **kwargs):
@@ -14,4 +16,12 @@ def evaluate_mods(*args, **kwargs):
     return _evaluate_mods(*args, **kwargs)
 
 
-__all__ = ["LoweredMod", "lower_score_mod", "lower_mask_mod", "evaluate_mods"]
+def evaluate_score_backward(*args, **kwargs):
+    """See :func:`flexcore.lowering.evaluate.evaluate_score_backward`."""
+    from flexcore.lowering.evaluate import evaluate_score_backward as _evaluate_score_backward
+    return _evaluate_score_backward(*args, **kwargs)
+
+
+__all__ = ["LoweredMod", "lower_score_mod", "lower_mask_mod", "evaluate_mods",
+           "evaluate_score_backward", "check_indices", "IndexVerdict", "call_per_element",
+           "per_element"]

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from flexcore.lowering.cache import FastGuard, LRUCache, guard_key
+from flexcore.lowering.names import capture_names
 from flexcore.lowering.codegen import generate
 from flexcore.lowering.trace import mod_name, trace_mod
 
@@ -35,6 +36,10 @@ class LoweredMod:
         key: hash of ``source``; never depends on captured values.
         is_trivial: identity score_mod / always-true mask_mod.
         mod_name: ``__name__`` of the user's function (``None`` gives ``"identity"``/``"noop"``).
+        graph: the traced aten graph (None for trivial mods); index checks and per-element
+            evaluation read it.
+        cap_names: the user's name for each captured tensor (``"bias"``, ``"self.table"``), or
+            None where none was found, in ``captured`` order.
     """
 
     kind: str
@@ -45,6 +50,8 @@ class LoweredMod:
     key: str
     is_trivial: bool
     mod_name: str = ""
+    graph: object = field(default=None, repr=False)
+    cap_names: tuple = ()
 
     def kernel_args(self) -> list:
         """``[t0, *t0.stride(), t1, *t1.stride(), ...]``, matching ``cap_params``."""
@@ -55,10 +62,12 @@ class LoweredMod:
         return out
 
 
-def _make(kind: str, source: str, cap_params, captured, trivial: bool, name: str) -> LoweredMod:
+def _make(kind: str, source: str, cap_params, captured, trivial: bool, name: str, graph=None,
+          cap_names=()) -> LoweredMod:
     fn_name = "score_mod_fn" if kind == "score" else "mask_mod_fn"
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
-    return LoweredMod(kind, fn_name, source, tuple(cap_params), tuple(captured), key, trivial, name)
+    return LoweredMod(kind, fn_name, source, tuple(cap_params), tuple(captured), key, trivial, name,
+                      graph, tuple(cap_names))
 
 
 _TRIVIAL = {
@@ -95,7 +104,8 @@ def _lower(fn, kind: str, score_dtype: torch.dtype = torch.float32, fast_math: b
     trace_count += 1
     gm = trace_mod(fn, kind, score_dtype)
     source, cap_params, captured, trivial = generate(gm, kind, mod_name(fn), score_dtype, fast_math)
-    lowered = _make(kind, source, cap_params, captured, trivial, mod_name(fn))
+    lowered = _make(kind, source, cap_params, captured, trivial, mod_name(fn),
+                    None if trivial else gm, capture_names(fn, captured))
     if guard is not None:
         _cache.put(cache_key, (lowered, guard[1]))
         _fast.put(fn, variant, guard, lowered)

@@ -8,89 +8,39 @@ depends on, so padded rows and columns never read out of bounds.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+import itertools
 
 import torch
 from torch.fx import GraphModule, Node
 
-from flexcore.errors import ModError, ModReturnError, UnsupportedOpError
+from flexcore.errors import ModError, ModIndexError, ModReturnError, UnsupportedOpError
+from flexcore.lowering.shapes import ShapeOps, _flat_nodes
+from flexcore.lowering.values import (_INDEX_ARGS, _TL, MAX_LANES, Lanes, ReshapedView, Val, View,
+                                      cast_expr, convert_const, float_literal, literal, opmath)
 
-_TL = {
-    torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
-    torch.float64: "tl.float64", torch.int8: "tl.int8", torch.int16: "tl.int16",
-    torch.int32: "tl.int32", torch.int64: "tl.int64", torch.uint8: "tl.uint8",
-    torch.bool: "tl.int1",
+# Names kept for the VJP generator and older imports.
+_opmath, _float_literal, _convert_const = opmath, float_literal, convert_const
+
+_RANDOM = "random numbers differ between evaluations; capture a random tensor instead"
+_NO_PORTABLE = "it has no Triton implementation that also runs under the interpreter"
+#: Ops with no lowering, and why (the error names the op, the user's line and this reason).
+REFUSED = {
+    "special_zeta": "it has no Triton implementation (libdevice has none)",
+    "igamma": "it has no Triton implementation (libdevice has none)",
+    "igammac": "it has no Triton implementation (libdevice has none)",
+    "special_erfcx": _NO_PORTABLE, "special_ndtri": _NO_PORTABLE, "special_log_ndtr": _NO_PORTABLE,
+    "i0": _NO_PORTABLE, "special_i0e": _NO_PORTABLE, "special_i1": _NO_PORTABLE,
+    "special_i1e": _NO_PORTABLE, "special_bessel_j0": _NO_PORTABLE,
+    "special_bessel_j1": _NO_PORTABLE, "special_bessel_y0": _NO_PORTABLE,
+    "special_bessel_y1": _NO_PORTABLE, "special_modified_bessel_i0": _NO_PORTABLE,
+    "nextafter": "it steps floats bit by bit, which flexlab does not lower",
+    "rand": _RANDOM, "rand_like": _RANDOM, "randn": _RANDOM, "randn_like": _RANDOM,
+    "randint": _RANDOM, "randint_like": _RANDOM, "bernoulli": _RANDOM, "normal": _RANDOM,
+    "uniform": _RANDOM, "native_dropout": _RANDOM, "multinomial": _RANDOM,
 }
-_INDEX_ARGS = {"b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv"}
 
 
-@dataclass
-class Val:
-    """A scalar-per-position value: a Triton expression and what torch would call its dtype."""
-
-    expr: str
-    dtype: torch.dtype
-    deps: frozenset = frozenset()  # which of b, h, q, kv, score the value depends on
-    const: object = None  # Python value when known at trace time
-    pyscalar: bool = False  # a Python number (weak in torch's type promotion)
-    nonneg: bool = False  # provably >= 0 (an index that needs no wrap-around)
-
-
-@dataclass
-class View:
-    """A captured tensor with some leading dimensions indexed, the rest still whole."""
-
-    cap: int
-    dtype: torch.dtype
-    shape: tuple
-    index: tuple  # per dimension: a Val, or None while the dimension is still whole
-    node: Node = field(default=None, repr=False)
-
-
-def _opmath(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-def _float_literal(value: float) -> str:
-    if math.isnan(value):
-        return 'float("nan")'
-    if math.isinf(value):
-        return 'float("inf")' if value > 0 else 'float("-inf")'
-    return repr(float(value))
-
-
-def literal(value, dtype: torch.dtype) -> str:
-    """Triton source of a constant of ``dtype`` (plain literals for float32/int32 only)."""
-    if dtype == torch.bool:
-        return f"tl.full([], {bool(value)}, tl.int1)"
-    if dtype.is_floating_point:
-        text = _float_literal(float(value))
-        return text if dtype == torch.float32 else f"tl.full([], {text}, {_TL[dtype]})"
-    value = int(value)
-    if dtype == torch.int32 and -2**31 <= value < 2**31:
-        return str(value) if value >= 0 else f"({value})"
-    return f"tl.full([], {value}, {_TL[dtype]})"
-
-
-def _convert_const(value, dtype: torch.dtype):
-    if dtype == torch.bool:
-        return bool(value)
-    if dtype.is_floating_point:
-        return float(value)
-    return int(value)  # float -> int truncates toward zero, as torch does
-
-
-def cast_expr(expr: str, dtype: torch.dtype) -> str:
-    """Cast with torch's semantics: nonzero -> True, round-to-nearest-even to bfloat16."""
-    if dtype == torch.bool:
-        return f"({expr} != 0)"
-    if dtype == torch.bfloat16:
-        return f"fl_to_bfloat16({expr})"
-    return f"{expr}.to({_TL[dtype]})"
-
-
-class ModCodegen:
+class ModCodegen(ShapeOps):
     """Walks one traced graph and emits the body of the generated function."""
 
     _UNARY_FLOAT = {
@@ -98,8 +48,15 @@ class ModCodegen:
         "log10": "(tl.log({}) * 0.4342944819032518)", "sqrt": "tl.sqrt({})",
         "rsqrt": "tl.rsqrt({})", "sigmoid": "tl.sigmoid({})", "tanh": "fl_tanh({})",
         "sin": "tl.sin({})", "cos": "tl.cos({})", "erf": "tl.erf({})", "expm1": "fl_expm1({})",
-        "log1p": "fl_log1p({})", "reciprocal": "(1.0 / {})",
+        "log1p": "fl_log1p({})", "reciprocal": "(1.0 / {})", "tan": "fl_tan({})",
+        "asin": "fl_asin({})", "acos": "fl_acos({})", "atan": "fl_atan({})",
+        "sinh": "fl_sinh({})", "cosh": "fl_cosh({})", "asinh": "fl_asinh({})",
+        "acosh": "fl_acosh({})", "atanh": "fl_atanh({})", "erfc": "fl_erfc({})",
+        "erfinv": "fl_erfinv({})", "lgamma": "fl_lgamma({})", "angle": "fl_angle({})",
+        "digamma": "fl_digamma({})",
     }
+    _BINARY_FLOAT = {"atan2": "fl_atan2({}, {})", "hypot": "fl_hypot({}, {})",
+                     "copysign": "fl_copysign({}, {})"}
     # With fast_math (float16/bfloat16 inputs, float32 scores) these replace _UNARY_FLOAT's entries.
     _UNARY_FAST = {"tanh": "fl_tanh_approx({})"}
     _COMPARE = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
@@ -118,6 +75,8 @@ class ModCodegen:
         self._cap_ids: dict[int, int] = {}
         self._counter = 0
         self._node: Node | None = None
+        # Per-element values of Lanes arguments while an elementwise op runs once per element.
+        self._override: dict[Node, Val] = {}
 
     # ---------------------------------------------------------------- helpers
     def _fresh(self) -> str:
@@ -139,13 +98,10 @@ class ModCodegen:
 
     def _out_dtype(self, node: Node) -> torch.dtype:
         val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            val = val[0]
         if val is None:
             raise self._error(ModError, f"no type information for {node.target}")
-        if val.dim() != 0:
-            raise self._error(
-                ModError, f"{self._loc(node)[2] or node.target} produces a tensor of shape "
-                f"{tuple(val.shape)} per position; mods must compute one value per position "
-                "(index every dimension of captured tensors before computing with them).")
         if val.dtype not in _TL:
             raise self._error(ModError, f"dtype {val.dtype} is not supported in mods")
         return val.dtype
@@ -158,6 +114,15 @@ class ModCodegen:
         if v.dtype == dtype:
             return v.expr
         return cast_expr(v.expr, dtype)
+
+    def bool_operand(self, v: Val) -> str:
+        """``v`` as an operand of ``&``, ``|``, ``^``. A value of b and h only is 0-d in most
+        kernels, and the interpreter cannot combine a 0-d float comparison with ``&``; ``!= 0``
+        turns it into a plain boolean (free on the GPU)."""
+        expr = self.cast(v, torch.bool)
+        if v.const is None and v.dtype == torch.bool and not (v.deps & {"q", "kv", "score"}):
+            return f"({expr} != 0)"
+        return expr
 
     def _capture(self, tensor: torch.Tensor) -> int:
         key = id(tensor)
@@ -177,10 +142,17 @@ class ModCodegen:
     def value(self, arg) -> Val:
         """The Val of an argument: a node's value (loading a fully indexed view) or a constant."""
         if isinstance(arg, Node):
+            if arg in self._override:
+                return self._override[arg]
             v = self.env[arg]
             if isinstance(v, View):
+                if v.visible():
+                    raise self._whole_dims_error(v)
                 v = self._load(v)
                 self.env[arg] = v
+            if not isinstance(v, Val):
+                raise self._error(ModError, f"{self._loc(arg)[2] or arg.target} gives a "
+                                  f"{type(v).__name__} where one value per position is needed")
             return v
         if isinstance(arg, bool):
             return Val(literal(arg, torch.bool), torch.bool, const=arg, pyscalar=True, nonneg=True)
@@ -215,7 +187,7 @@ class ModCodegen:
                 c = int(idx.const)
                 if not -shape[d] <= c < shape[d]:
                     raise self._error(
-                        ModError, f"index {c} is out of range for dimension {d} (size "
+                        ModIndexError, f"index {c} is out of range for dimension {d} (size "
                         f"{shape[d]}) of a captured tensor of shape {shape}", node=node)
                 if c < 0:
                     c += shape[d]
@@ -229,14 +201,16 @@ class ModCodegen:
             terms.append(f"{expr} * {p}_s{d}")
         return terms, deps
 
+    def _whole_dims_error(self, view: View) -> ModError:
+        shape = tuple(vd.size for vd in view.visible())
+        return self._error(
+            ModError, f"a captured tensor of shape {view.shape} is used with shape {shape} left "
+            f"after indexing, more than the {MAX_LANES} elements a position can hold; index "
+            "every dimension (e.g. t[h, q_idx]) so that each position reads one element",
+            node=view.node)
+
     def _load(self, view: View) -> Val:
-        for d, (size, idx) in enumerate(zip(view.shape, view.index)):
-            if idx is None and size != 1:
-                shape = tuple(s for s, i in zip(view.shape, view.index) if i is None)
-                raise self._error(
-                    ModError, f"a captured tensor of shape {view.shape} is used with shape "
-                    f"{shape} left after indexing; index every dimension (e.g. t[h, q_idx]) so "
-                    "that each position reads one element", node=view.node)
+        """Read the one element a fully indexed view selects."""
         p = f"{self.prefix}_c{view.cap}"
         terms, deps = self.offset_terms(p, view.shape, view.index, view.node)
         ptr = f"{p}_ptr" + "".join(f" + {t}" for t in terms)
@@ -280,6 +254,12 @@ class ModCodegen:
         self._node = None
         if not isinstance(result, Node):
             raise ModReturnError("the mod must return a tensor", mod_name=self.name)
+        held = self.env.get(result)
+        if isinstance(held, (Lanes, ReshapedView)) or (isinstance(held, View) and held.visible()):
+            raise ModReturnError(f"the {self.kind}_mod returns a tensor of shape "
+                                 f"{self.shape_of(held)} for one position; it must return a "
+                                 "single value (index every dimension of captured tensors)",
+                                 mod_name=self.name)
         v = self.value(result)
         if self.kind == "score":
             if v.dtype == torch.bool:
@@ -318,7 +298,7 @@ class ModCodegen:
         args = []
         for a in node.args:
             if isinstance(a, Node):
-                v = self.env[a]
+                v = self._override.get(a, self.env.get(a))
                 if not isinstance(v, Val) or v.const is None:
                     return None
                 a = torch.tensor(v.const, dtype=v.dtype)
@@ -335,33 +315,74 @@ class ModCodegen:
             return None
         return self._const_result(out.item(), out.dtype)
 
-    def _call(self, node: Node):
-        folded = self._fold(node)
-        if folded is not None:
-            return folded
+    @staticmethod
+    def op_name(node: Node) -> str:
         target = node.target
         packet = getattr(target, "overloadpacket", None)
-        name = packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
+        return packet.__name__ if packet is not None else getattr(target, "__name__", str(target))
+
+    def _call(self, node: Node):
+        name = self.op_name(node)
         handler = getattr(self, f"_op_{name}", None)
         if handler is None:
             handler = self._generic(name)
         if handler is None:
             shown = self._loc(node)[2]
-            what = f"{shown} ({target})" if shown else f"{target}"
+            what = f"{shown} ({node.target})" if shown else f"{node.target}"
+            reason = REFUSED.get(name)
             raise self._error(
-                UnsupportedOpError, f"{what} has no Triton lowering in flexlab. Supported: "
-                "+ - * / // % **, comparisons, &, |, ^, ~, torch.where, abs, exp, exp2, log, log2, "
-                "sqrt, rsqrt, tanh, sigmoid, sin, cos, erf, expm1, log1p, minimum, maximum, clamp, "
-                "floor, ceil, round, trunc, sign, isnan, isinf, masked_fill, <<, >>, casts, and "
-                "indexing captured tensors.",
-                op=shown or str(target))
+                UnsupportedOpError, f"{what} has no Triton lowering in flexlab"
+                + (f": {reason}." if reason else
+                   ". Elementwise torch ops, views of size-1 dimensions, small reductions "
+                   "(sum, amax, any, dot, ...) and indexing captured tensors are supported; "
+                   "see 'Supported ops' in flexcore/lowering/README.md."),
+                op=shown or str(node.target))
+        if name in self.STRUCTURAL:
+            return handler(node)
+        lanes = self._lane_args(node)
+        if lanes:
+            return self._elementwise_lanes(node, handler, lanes)
+        folded = self._fold(node)
+        if folded is not None:
+            return folded
         return handler(node)
+
+    def _lane_args(self, node: Node) -> dict:
+        """The arguments of ``node`` that hold several elements per position (Lanes, or views
+        with dimensions left), materialized as Lanes."""
+        found = {}
+        for arg in _flat_nodes(node.args) + _flat_nodes(list(node.kwargs.values())):
+            v = self.env.get(arg)
+            if isinstance(v, ReshapedView) or (isinstance(v, View) and v.visible()):
+                v = self.env[arg] = self.materialize(v)
+            if isinstance(v, Lanes):
+                found[arg] = v
+        return found
+
+    def _elementwise_lanes(self, node: Node, handler, lanes: dict):
+        """Run an elementwise op once per element of its broadcast Lanes arguments."""
+        try:
+            shape = tuple(torch.broadcast_shapes(*(tuple(v.shape) for v in lanes.values())))
+        except RuntimeError as e:
+            raise self._error(ModError, f"shapes do not broadcast: {e}") from None
+        self.check_lanes(shape)
+        vals = []
+        for coord in itertools.product(*(range(s) for s in shape)):
+            for arg, v in lanes.items():
+                self._override[arg] = v.at_broadcast(coord, shape)
+            try:
+                vals.append(self._fold(node) or handler(node))
+            finally:
+                self._override.clear()
+        return self.lanes_or_val(shape, vals)
 
     def _generic(self, name: str):
         if name in self._UNARY_FLOAT:
             fast = self.fast_math and self.score_dtype == torch.float32
             template = (self._UNARY_FAST if fast else {}).get(name, self._UNARY_FLOAT[name])
             return lambda node: self._unary_float(node, template)
+        if name in self._BINARY_FLOAT:
+            return lambda node: self._binary_float(node, self._BINARY_FLOAT[name])
         if name in self._COMPARE:
             return lambda node: self._compare(node, self._COMPARE[name])
         return None
@@ -398,7 +419,7 @@ class ModCodegen:
             bool_op = {"+": "|", "*": "&"}.get(op)
             if bool_op is None or alpha not in (None, 1):
                 raise self._error(UnsupportedOpError, f"'{op}' on bool tensors is not supported")
-            return self._result(f"{self.cast(a, out)} {bool_op} {self.cast(b, out)}", out,
+            return self._result(f"{self.bool_operand(a)} {bool_op} {self.bool_operand(b)}", out,
                                 self._deps(a, b), nonneg=True)
         compute = _opmath(out)
         ea, eb = self.cast(a, compute), self.cast(b, compute)
@@ -499,15 +520,19 @@ class ModCodegen:
 
     def _rounding(self, node: Node, pattern: str) -> Val:
         a = self.value(node.args[0])
-        if node.kwargs.get("decimals", 0) or len(node.args) > 1:
-            raise self._error(UnsupportedOpError, "round(decimals=...) is not supported",
-                              op=str(node.target))
+        decimals = node.kwargs.get("decimals", node.args[1] if len(node.args) > 1 else 0)
         out = self._out_dtype(node)
         if not out.is_floating_point:
             return Val(self.cast(a, out), out, a.deps, a.const, nonneg=a.nonneg)
         compute = _opmath(out)
-        return self._finish_op(pattern.format(self.cast(a, compute)), compute, out, a.deps,
-                               a.nonneg)
+        x = self.cast(a, compute)
+        if decimals:
+            # torch: nearbyint(x * 10^d) / 10^d, or nearbyint(x / 10^-d) * 10^-d for d < 0.
+            ten = literal(10.0 ** abs(decimals), compute)
+            inner = pattern.format(f"({x} * {ten})" if decimals > 0 else f"({x} / {ten})")
+            expr = f"{inner} / {ten}" if decimals > 0 else f"{inner} * {ten}"
+            return self._finish_op(expr, compute, out, a.deps, a.nonneg)
+        return self._finish_op(pattern.format(x), compute, out, a.deps, a.nonneg)
 
     def _op_floor(self, node):
         return self._rounding(node, "tl.floor({})")
@@ -611,7 +636,7 @@ class ModCodegen:
     def _logical(self, node, op: str) -> Val:
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
-        expr = f"{self.cast(a, torch.bool)} {op} {self.cast(b, torch.bool)}"
+        expr = f"{self.bool_operand(a)} {op} {self.bool_operand(b)}"
         return self._finish_op(expr, torch.bool, out, self._deps(a, b), True)
 
     def _op_logical_and(self, node):
@@ -633,6 +658,9 @@ class ModCodegen:
         out = self._out_dtype(node)
         if out.is_floating_point:
             raise self._error(UnsupportedOpError, f"bitwise '{op}' on floats is not supported")
+        if out == torch.bool:
+            return self._result(f"{self.bool_operand(a)} {op} {self.bool_operand(b)}", out,
+                                self._deps(a, b), True)
         return self._result(f"{self.cast(a, out)} {op} {self.cast(b, out)}", out,
                             self._deps(a, b), out == torch.bool or (a.nonneg and b.nonneg))
 
@@ -706,72 +734,82 @@ class ModCodegen:
         return Val(self._emit(self.cast(a, out)), out, a.deps,
                    nonneg=a.nonneg or out == torch.bool)
 
-    def _identity(self, node):
-        v = self.env[node.args[0]]
-        return v
+    # more elementwise ops -------------------------------------------------------
+    def tensor_arg(self, v: Val, dtype: torch.dtype) -> str:
+        """``v`` as a tensor of ``dtype``: fl_* helpers call tl functions that need tensors."""
+        if v.const is not None:
+            return f"tl.full([], {literal(_convert_const(v.const, dtype), dtype)}, {_TL[dtype]})" \
+                if dtype in (torch.float32, torch.int32) else literal(_convert_const(v.const, dtype), dtype)
+        return self.cast(v, dtype)
 
-    _op_clone = _identity
-    _op_alias = _identity
-    _op_detach = _identity
-    _op_lift_fresh_copy = _identity
-
-    def _constant(self, node, value):
+    def _binary_float(self, node: Node, pattern: str) -> Val:
+        a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
-        return self._const_result(value, out)
+        compute = _opmath(out)
+        return self._finish_op(pattern.format(self.tensor_arg(a, compute),
+                                              self.tensor_arg(b, compute)),
+                               compute, out, self._deps(a, b))
 
-    def _op_scalar_tensor(self, node):
-        return self._constant(node, node.args[0])
+    def _fminmax(self, node, fn: str) -> Val:
+        a, b = self.value(node.args[0]), self.value(node.args[1])
+        out = self._out_dtype(node)
+        compute = _opmath(out)
+        ea, eb = self.tensor_arg(a, compute), self.tensor_arg(b, compute)
+        expr = (f"fl_{fn}({ea}, {eb})" if compute.is_floating_point
+                else f"tl.{'maximum' if fn == 'fmax' else 'minimum'}({ea}, {eb})")
+        return self._finish_op(expr, compute, out, self._deps(a, b))
 
-    def _op_full(self, node):
-        return self._constant(node, node.args[1])
+    def _op_fmax(self, node):
+        return self._fminmax(node, "fmax")
 
-    def _op_full_like(self, node):
-        return self._constant(node, node.args[1])
+    def _op_fmin(self, node):
+        return self._fminmax(node, "fmin")
 
-    def _op_zeros_like(self, node):
-        return self._constant(node, 0)
+    def _op_signbit(self, node):
+        (a,) = self._args(node)
+        if a.dtype == torch.bool:
+            return self._const_result(False, torch.bool)
+        if not a.dtype.is_floating_point:
+            return self._result(f"{a.expr} < 0", torch.bool, a.deps, True)
+        return self._result(f"fl_signbit({self.cast(a, _opmath(a.dtype))})", torch.bool, a.deps, True)
 
-    def _op_ones_like(self, node):
-        return self._constant(node, 1)
+    def _op_polygamma(self, node):
+        n = node.args[0]
+        if n not in (0, 1):
+            raise self._error(UnsupportedOpError, f"torch.polygamma({n}, x) has no Triton lowering "
+                              "in flexlab: only orders 0 (digamma) and 1 are lowered")
+        return self._unary_float_of(node, node.args[1], "fl_digamma({})" if n == 0 else
+                                    "fl_trigamma({})")
 
-    def _op_zeros(self, node):
-        return self._constant(node, 0)
+    def _unary_float_of(self, node: Node, arg, pattern: str) -> Val:
+        a = self.value(arg)
+        out = self._out_dtype(node)
+        compute = _opmath(out)
+        return self._finish_op(pattern.format(self.cast(a, compute)), compute, out, a.deps)
 
-    def _op_ones(self, node):
-        return self._constant(node, 1)
+    def _op_gcd(self, node):
+        a, b = self.value(node.args[0]), self.value(node.args[1])
+        out = self._out_dtype(node)
+        steps = 92 if out == torch.int64 else 46  # Euclid's worst case: consecutive Fibonacci
+        return self._result(f"fl_gcd({self.tensor_arg(a, out)}, {self.tensor_arg(b, out)}, "
+                            f"{steps})", out,
+                            self._deps(a, b), True)
 
-    def _op_new_zeros(self, node):
-        return self._constant(node, 0)
+    def _op_lcm(self, node):
+        a, b = self.value(node.args[0]), self.value(node.args[1])
+        out = self._out_dtype(node)
+        steps = 92 if out == torch.int64 else 46
+        ea, eb = self.tensor_arg(a, out), self.tensor_arg(b, out)
+        g = self._emit(f"fl_gcd({ea}, {eb}, {steps})")
+        # |a / gcd * b|, and 0 when both are 0 (gcd 0), as torch computes it.
+        expr = f"tl.where({g} == 0, 0, tl.abs({ea} // tl.where({g} == 0, 1, {g}) * {eb}))"
+        return self._result(expr, out, self._deps(a, b), True)
 
-    def _op_new_ones(self, node):
-        return self._constant(node, 1)
-
-    def _op_new_full(self, node):
-        return self._constant(node, node.args[2])
-
-    # indexing ------------------------------------------------------------------
-    def _op_index(self, node):
-        base = self.env[node.args[0]]
-        if not isinstance(base, View):
-            raise self._error(
-                ModError, "only captured tensors can be indexed; a value computed inside the mod "
-                "is already one number per position")
-        indices = list(node.args[1])
-        free = [d for d, i in enumerate(base.index) if i is None]
-        if len(indices) > len(free):
-            raise self._error(
-                ModError, f"too many indices ({len(indices)}) for a captured tensor of shape "
-                f"{base.shape} with {len(free)} dimension(s) left to index")
-        new_index = list(base.index)
-        for d, idx in zip(free, indices):
-            if idx is None:
-                continue
-            v = self.value(idx)
-            if v.dtype == torch.bool or v.dtype.is_floating_point:
-                raise self._error(ModError, f"index of dtype {v.dtype} is not supported; "
-                                  "use integer indices")
-            new_index[d] = v
-        return View(base.cap, base.dtype, base.shape, tuple(new_index), node)
+def handled_ops() -> frozenset:
+    """Names (aten overload packets) of the ops the code generator lowers itself."""
+    names = {n[len("_op_"):] for n in dir(ModCodegen) if n.startswith("_op_")}
+    names |= set(ModCodegen._UNARY_FLOAT) | set(ModCodegen._BINARY_FLOAT) | set(ModCodegen._COMPARE)
+    return frozenset(names)
 
 
 def generate(gm: GraphModule, kind: str, name: str, score_dtype: torch.dtype = torch.float32,

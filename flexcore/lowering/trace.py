@@ -2,7 +2,9 @@
 
 Captured tensors (closures, globals) become ``get_attr`` constants holding the user's own tensor
 objects; every ``call_function`` node carries ``node.meta["flex_loc"]``: the user's file, line and
-the torch function that produced it, so later errors can point at the user's source.
+the torch function that produced it, so later errors can point at the user's source. Ops the code
+generator has no handler for go through torch's own decompositions while tracing (silu becomes
+x * sigmoid(x), gelu an erf expression), so the graph holds ops it lowers or refuses by name.
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from torch.fx import GraphModule
 from torch.overrides import TorchFunctionMode
 
 from flexcore._runtime import prepare_triton
-from flexcore.errors import ControlFlowError, ModError, ModReturnError, ModSignatureError
+from flexcore.errors import (ControlFlowError, ModError, ModIndexError, ModReturnError,
+                             ModSignatureError)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _LOWERING_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -150,15 +153,19 @@ def _current_graph():
 
 
 def _index(name: str, tensor, index):
-    """``tensor[index]`` as ``aten.index.Tensor`` (tensor and int indices, ``:`` and ``...``)."""
+    """``tensor[index]`` as ``aten.index.Tensor`` (tensor and int indices, slices, ``None`` and
+    ``...``): ``None`` becomes an unsqueeze and a slice an ``aten.slice`` before the index."""
     items = list(index) if isinstance(index, tuple) else [index]
     if any(i is Ellipsis for i in items):
         at = items.index(Ellipsis)
         fill = tensor.dim() - (len(items) - 1 - sum(i is None for i in items))
         items[at:at + 1] = [slice(None)] * max(fill, 0)
     converted = []
-    for item in items:
-        if isinstance(item, torch.Tensor):
+    for pos, item in enumerate(items):
+        if item is None:
+            tensor = tensor.unsqueeze(pos)
+            converted.append(None)
+        elif isinstance(item, torch.Tensor):
             if item.dtype == torch.bool or item.is_floating_point():
                 loc = user_location_from_stack()
                 raise _TraceError(ModError(
@@ -169,23 +176,62 @@ def _index(name: str, tensor, index):
         elif isinstance(item, bool) or not isinstance(item, (int, slice)):
             loc = user_location_from_stack()
             raise _TraceError(ModError(
-                f"index {item!r} is not supported; use tensors, ints, ':' or '...'.", mod_name=name,
-                filename=loc.filename, lineno=loc.lineno, op="Tensor.__getitem__"))
+                f"index {item!r} is not supported; use tensors, ints, slices, None or '...'.",
+                mod_name=name, filename=loc.filename, lineno=loc.lineno, op="Tensor.__getitem__"))
         elif isinstance(item, int):
             converted.append(torch.full((), item, dtype=torch.int64))
         elif item == slice(None):
             converted.append(None)
         else:
-            loc = user_location_from_stack()
-            raise _TraceError(ModError(
-                f"slice {item!r} is not supported; only ':' (whole dimension) can be sliced, so "
-                "index the tensor with an offset expression instead.", mod_name=name,
-                filename=loc.filename, lineno=loc.lineno, op="Tensor.__getitem__"))
+            bounds = (item.start, item.stop, item.step)
+            if any(not (b is None or isinstance(b, int)) for b in bounds):
+                loc = user_location_from_stack()
+                raise _TraceError(ModError(
+                    f"slice {item!r} has tensor bounds; slices must have int bounds (the shape "
+                    "of a value is fixed when the mod is lowered), so index the tensor with an "
+                    "offset expression instead.", mod_name=name, filename=loc.filename,
+                    lineno=loc.lineno, op="Tensor.__getitem__"))
+            tensor = torch.ops.aten.slice.Tensor(tensor, pos, item.start, item.stop, item.step or 1)
+            converted.append(None)
     while converted and converted[-1] is None:
         converted.pop()
     if not converted:
         return tensor
     return torch.ops.aten.index.Tensor(tensor, converted)
+
+
+#: Decompositions outside torch's core set whose results the code generator handles.
+_EXTRA_DECOMPOSITIONS = ("gelu", "elu", "leaky_relu", "hardtanh", "ldexp", "logsumexp",
+                         "_softmax", "_log_softmax")
+
+
+def decompositions() -> dict:
+    """Decompositions applied while tracing: every op the code generator has no handler for,
+    where torch's decomposition turns it into ops it has (silu -> mul, sigmoid; gelu -> erf ...)."""
+    global _DECOMPOSITIONS
+    if _DECOMPOSITIONS is None:
+        from torch._decomp import core_aten_decompositions, decomposition_table
+
+        from flexcore.lowering.codegen import handled_ops
+
+        handled = handled_ops()
+        table = {}
+        extra = {op: fn for op, fn in decomposition_table.items()
+                 if _packet_name(op) in _EXTRA_DECOMPOSITIONS}
+        for op, fn in {**extra, **core_aten_decompositions()}.items():
+            name = _packet_name(op)
+            if name is not None and name not in handled:
+                table[op] = fn
+        _DECOMPOSITIONS = table
+    return _DECOMPOSITIONS
+
+
+_DECOMPOSITIONS = None
+
+
+def _packet_name(op) -> str | None:
+    packet = getattr(op, "overloadpacket", None)
+    return None if packet is None else packet.__name__
 
 
 def check_signature(fn, kind: str) -> None:
@@ -274,7 +320,8 @@ def trace_mod(fn, kind: str, score_dtype: torch.dtype = torch.float32) -> GraphM
 
     try:
         with _LoweringMode(name):
-            gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+            gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True,
+                         decomposition_table=decompositions())(*args)
     except _TraceError as e:
         raise e.error from None
     except Exception as e:  # noqa: BLE001 - anything the user's code raised is reported as theirs
@@ -283,6 +330,9 @@ def trace_mod(fn, kind: str, score_dtype: torch.dtype = torch.float32) -> GraphM
         if isinstance(e, ModError):
             raise
         loc = user_location_from_traceback(e.__traceback__)
+        if isinstance(e, IndexError):
+            raise ModIndexError(f"{e} (a constant index out of range)", mod_name=name,
+                                filename=loc.filename, lineno=loc.lineno) from e
         if "data-dependent" in str(e) or "GuardOnDataDependent" in type(e).__name__:
             raise ControlFlowError(
                 "the mod needs a tensor's value in Python (data-dependent control flow), which is "

@@ -160,7 +160,7 @@ def test_bad_input_names_the_argument(case):
     elif case == "dtype":
         k, match = k.double(), "dtype"
     elif case == "device":
-        k, match = k.to("meta"), "one device"
+        k, match = k.to("meta"), "key is a meta tensor"
     elif case == "mask_len":
         kwargs["block_mask"] = create_block_mask(causal, None, None, 128, 128, device=DEVICE)
         match = "Q_LEN=128, KV_LEN=128"

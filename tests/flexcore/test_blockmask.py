@@ -228,7 +228,9 @@ def test_counts_and_sparsity_are_consistent():
                                      partial=int((block_map == 1).sum()),
                                      empty=int((block_map == 0).sum())), name
         assert isinstance(counts.full, int)
-        assert bm.sparsity() == pytest.approx(100 * counts.empty / block_map.numel())
+        # torch's definition: computed blocks count whole against the positions (191 is ragged).
+        computed = (counts.full + counts.partial) * 32 * 32
+        assert bm.sparsity() == pytest.approx(100 * (1 - computed / (2 * 3 * Q * KV)))
     causal_bm = create_block_mask(causal, None, None, 256, 256, device="cpu", BLOCK_SIZE=32)
     assert causal_bm.counts() == BlockCounts(full=28, partial=8, empty=28)
     assert causal_bm.sparsity() == pytest.approx(100 * 28 / 64)
@@ -393,8 +395,7 @@ def test_with_mask_mod_and_dataclass_replace():
     assert decoded.kv_indices is row.kv_indices
     replaced = dataclasses.replace(row, mask_mod=shifted, seq_lengths=(1, 128))
     assert replaced.shape == (1, 1, 1, 128)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        bm.mask_mod = shifted
+    assert replaced.kv_indices is row.kv_indices and replaced.version != row.version
 
 
 def test_from_kv_blocks_round_trip():
@@ -508,8 +509,10 @@ def test_errors_inside_mods_name_the_line():
             return q_idx > 0
         return kv_idx > 0
 
-    with pytest.raises(ModError, match="IndexError") as info:
+    # Refused before evaluation, with the tensor, its size and the first index out of range.
+    with pytest.raises(ModError, match=r"`ids` \(captured, shape \(10,\)\) has size 10.*is 10") as info:
         create_block_mask(too_short, None, None, 32, 32, device="cpu")
+    assert isinstance(info.value, IndexError)
     assert info.value.lineno == too_short.__code__.co_firstlineno + 1
     with pytest.raises(ControlFlowError, match="torch.where"):
         create_block_mask(branches, None, None, 32, 32, device="cpu")
@@ -538,8 +541,8 @@ def test_from_kv_blocks_validation():
     bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=16)
     num, idx = bm.kv_num_blocks, bm.kv_indices
     fnum, fidx = bm.full_kv_num_blocks, bm.full_kv_indices
-    with pytest.raises(InputError, match="int32"):
-        BlockMask.from_kv_blocks(num.long(), idx)
+    with pytest.raises(InputError, match="integer tensor"):
+        BlockMask.from_kv_blocks(num.float(), idx)
     with pytest.raises(InputError, match="must equal kv_indices.shape\\[:3\\]"):
         BlockMask.from_kv_blocks(num[:, :, :2], idx)
     with pytest.raises(InputError, match="given together"):
@@ -548,13 +551,132 @@ def test_from_kv_blocks_validation():
         BlockMask.from_kv_blocks(num, idx, fnum[:, :, :2], fidx[:, :, :2])
     bad = idx.clone()
     bad[0, 0, 3, 0] = 7
-    with pytest.raises(InputError, match="must lie in \\[0, 4\\)"):
+    with pytest.raises(InputError, match="kv_indices\\[0, 0, 3, 0\\] = 7 points past the last key "
+                                         "block.*must lie in \\[0, 4\\)"):
         BlockMask.from_kv_blocks(num, bad)
-    unordered = torch.tensor([[[[1, 0, 2, 3]]]], dtype=torch.int32)
-    with pytest.raises(InputError, match="strictly increasing"):
-        BlockMask.from_kv_blocks(torch.tensor([[[2]]], dtype=torch.int32), unordered)
+    # An int64 value that int32 would wrap into range is refused before the conversion.
+    wrapped = idx.long()
+    wrapped[0, 0, 3, 0] = 2 ** 32 + 1
+    with pytest.raises(InputError, match="= 4294967297 points past the last key block"):
+        BlockMask.from_kv_blocks(num.long(), wrapped)
+    repeated = torch.tensor([[[[2, 0, 2, 3]]]], dtype=torch.int32)
+    with pytest.raises(InputError, match="block 2 is listed twice"):
+        BlockMask.from_kv_blocks(torch.tensor([[[3]]], dtype=torch.int32), repeated)
     with pytest.raises(InputError, match="each count must lie in \\[0, 4\\]"):
         BlockMask.from_kv_blocks(num + 4, idx)
     with pytest.raises(InputError, match="both as partial"):
         BlockMask.from_kv_blocks(num + fnum, fidx * 0 + torch.arange(4, dtype=torch.int32),
                                  fnum, fidx)
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation of the tables: at construction, and unmodified afterwards
+# ------------------------------------------------------------------------------------------------
+
+def table_fields(bm, **changes):
+    fields = {name: getattr(bm, name) for name in TABLES}
+    fields.update(seq_lengths=bm.seq_lengths, BLOCK_SIZE=bm.BLOCK_SIZE, mask_mod=bm.mask_mod)
+    fields.update(changes)
+    return fields
+
+
+def test_constructor_validates_the_tables():
+    bm = create_block_mask(causal, 2, None, 128, 96, device="cpu", BLOCK_SIZE=32)
+    again = BlockMask(**table_fields(bm))  # valid tables pass
+    assert again.shape == bm.shape and torch.equal(again.block_map(), bm.block_map())
+    past = bm.kv_indices.clone()
+    past[1, 0, 1, 0] = 5
+    with pytest.raises(InputError, match=r"kv_indices\[1, 0, 1, 0\] = 5 points past the last key "
+                                         r"block: .* must lie in \[0, 3\) \(3 key blocks"):
+        BlockMask(**table_fields(bm, kv_indices=past))
+    negative = bm.full_q_indices.clone()
+    negative[0, 0, 0, 0] = -1
+    with pytest.raises(InputError, match=r"full_q_indices\[0, 0, 0, 0\] = -1 points before the "
+                                         r"first query block.*\[0, 4\)"):
+        BlockMask(**table_fields(bm, full_q_indices=negative))
+    counts = bm.full_kv_num_blocks + 3
+    with pytest.raises(InputError, match=r"full_kv_num_blocks\[0, 0, 1\] = 4: each count must lie "
+                                         r"in \[0, 3\]"):
+        BlockMask(**table_fields(bm, full_kv_num_blocks=counts))
+    unordered = bm.full_kv_indices.clone()
+    unordered[..., 3, :2] = unordered[..., 3, :2].flip(-1)  # row 3 lists [1, 0, 2]
+    with pytest.raises(InputError, match=r"full_kv_indices\[0, 0, 3\] lists \[1, 0, 2\]: they must "
+                                         r"be strictly increasing \(BlockMask.from_kv_blocks sorts"):
+        BlockMask(**table_fields(bm, full_kv_indices=unordered))
+    both = bm.kv_indices.clone()
+    both[..., 1, 0] = 0  # row 1 lists block 0 as partial; it is full already
+    with pytest.raises(InputError, match=r"block \[0, 0, 1, 0\] is listed both as partial"):
+        BlockMask(**table_fields(bm, kv_indices=both))
+    with pytest.raises(InputError, match="int32.*from_kv_blocks, which converts"):
+        BlockMask(**table_fields(bm, kv_indices=bm.kv_indices.long()))
+    with pytest.raises(InputError, match="q_indices must have shape"):
+        BlockMask(**table_fields(bm, q_indices=bm.q_indices[:, :, :2],
+                                 q_num_blocks=bm.q_num_blocks[:, :, :2]))
+
+
+def test_in_place_edit_is_detected():
+    bm = create_block_mask(causal, None, None, 128, 128, device="cpu", BLOCK_SIZE=32)
+    bm.check_unmodified()
+    row = bm[:, :, 2:4]  # a view of the parent's tables: it shares their version counters
+    rows = bm[:, :, torch.tensor([0, 1])]  # a copy of those rows
+    copy = bm.with_mask_mod(causal)
+    bm.kv_indices[0, 0, 3, 0] = 7  # past the last key block, after construction
+    for mask in (bm, copy, row):
+        with pytest.raises(InputError, match=r"kv_indices was modified in place after the "
+                                             r"BlockMask was built; rebuild it with "
+                                             r"BlockMask.from_kv_blocks\(\.\.\.\)"):
+            mask.check_unmodified()
+    rows.check_unmodified()
+    for derive in (lambda: bm[:, :, 1], lambda: bm.with_mask_mod(causal), lambda: bm.to("cpu"),
+                   lambda: bm._adjust(64, 64), lambda: bm.to_torch()):
+        with pytest.raises(InputError, match="modified in place"):
+            derive()
+    # A new mask from the edited tables checks them again.
+    with pytest.raises(InputError, match=r"kv_indices\[0, 0, 3, 0\] = 7 points past"):
+        dataclasses.replace(bm)
+    with pytest.raises(InputError, match=r"cannot assign|kv_indices\[0, 0, 3, 0\] = 7 points past"):
+        bm.kv_indices = bm.kv_indices
+    bm.kv_indices[0, 0, 3, 0] = 3
+    # Assigning the edited table checks it again, and drops the transposed tables made from it.
+    bm.kv_indices = bm.kv_indices
+    bm.check_unmodified()
+    assert bm.q_indices is None
+    fixed = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                     bm.full_kv_indices, BLOCK_SIZE=32)
+    fixed.check_unmodified()
+    # Copies record the versions of their own tensors.
+    import copy as copy_module
+    import pickle
+    copy_module.deepcopy(fixed).check_unmodified()
+    pickle.loads(pickle.dumps(fixed.with_mask_mod(None))).check_unmodified()
+
+
+def test_tables_made_in_inference_mode_are_accepted():
+    with torch.inference_mode():
+        bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    bm.check_unmodified()  # inference tensors have no version counter: nothing to compare
+    assert bm[:, :, 1].counts().partial == 1
+
+
+def test_check_unmodified_is_cheap():
+    # It runs before every launch: a few attribute reads and integer comparisons on the host.
+    bm = create_block_mask(causal, 2, 2, 256, 256, device="cpu", BLOCK_SIZE=32)
+    import timeit
+    per_call = min(timeit.repeat(bm.check_unmodified, number=2000, repeat=5)) / 2000
+    assert per_call < 50e-6, f"{per_call * 1e6:.1f} us per call"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_validation_on_gpu_tables():
+    bm = create_block_mask(causal, 2, 4, 4096, 4096, device="cuda")
+    fields = table_fields(bm)
+    BlockMask(**fields).check_unmodified()
+    past = bm.kv_indices.clone()
+    past[1, 2, 5, 0] = 32
+    with pytest.raises(InputError, match=r"kv_indices\[1, 2, 5, 0\] = 32 points past the last key "
+                                         r"block.*\[0, 32\)"):
+        BlockMask(**table_fields(bm, kv_indices=past))
+    bm.full_kv_indices[0, 0, 9, 0] = 1
+    with pytest.raises(InputError, match="full_kv_indices was modified in place"):
+        bm.check_unmodified()

@@ -1,6 +1,7 @@
 """PagedAttention: the page allocator, cache writes, and paged decoding equal to a contiguous cache."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -285,6 +286,64 @@ def test_new_pages_do_not_recompile():
                          v_new[i:i + 1, :, :n], k_cache, v_cache)
         k, v = k_new, v_new
         offset.copy_(torch.tensor(new_len) - 1)
+
+
+def test_converted_mask_is_refused_after_the_page_table_changes():
+    # What this guards against: a mask converted before erase + reserve lists pages that hold
+    # another sequence's keys afterwards, and its full blocks would read them unmasked.
+    gen = torch.Generator().manual_seed(seed_of("stale paged mask"))
+    page, H, D = 16, 2, 16
+    paged = PagedAttention(n_pages=6, page_size=page, max_batch_size=2, device=DEVICE)
+    k_cache, v_cache = torch.zeros(1, H, 6 * page, D), torch.zeros(1, H, 6 * page, D)
+    paged.reserve(0, 40)
+    k, v = torch.randn(1, H, 40, D, generator=gen), torch.randn(1, H, 40, D, generator=gen)
+    paged.assign(torch.tensor([0]), torch.arange(40)[None], k, v, k_cache, v_cache)
+    logical = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 0, 1, None, 1, 40,
+                                device=DEVICE, BLOCK_SIZE=(16, page))
+    old = paged.convert_logical_block_mask(logical)
+    version = paged.version
+    # Writing keys and reserving what is already reserved move no page: the mask stays valid.
+    paged.assign(torch.tensor([0]), torch.tensor([[39]]), k[:, :, :1], v[:, :, :1], k_cache, v_cache)
+    paged.reserve(0, 30)
+    assert paged.version == version
+    old.check_unmodified()
+    row = old.with_mask_mod(old.mask_mod)
+    paged.reserve(1, 16)  # another sequence's pages: the mask reads none of them
+    old.check_unmodified()
+    paged.erase(0)
+    paged.reserve(1, 40)  # sequence 1 now holds the pages sequence 0 had
+    assert paged.version == version + 3
+    stale = "pages of batch_idx 0, but erase/reserve changed them since.*Convert the logical mask again"
+    for mask in (old, row, dataclasses.replace(old)):
+        with pytest.raises(InputError, match=stale):
+            mask.check_unmodified()
+    with pytest.raises(InputError, match=stale):
+        old[:, :, 0]
+    paged.reserve(0, 40)
+    paged.convert_logical_block_mask(logical).check_unmodified()
+    # A mask built over the physical cache from get_mask_mod holds for its page table too.
+    physical = create_block_mask(paged.get_mask_mod(None), 2, None, 1, 6 * page, device=DEVICE,
+                                 BLOCK_SIZE=page)
+    physical.check_unmodified()
+    paged.erase(1)
+    with pytest.raises(InputError, match="pages of batch_idx 1, but erase/reserve changed them"):
+        physical.check_unmodified()
+
+
+def test_flex_attention_refuses_a_stale_paged_mask():
+    from flexcore import flex_attention
+
+    page, H, D = 16, 2, 16
+    paged = PagedAttention(n_pages=4, page_size=page, max_batch_size=2, device=DEVICE)
+    k_cache, v_cache = torch.randn(1, H, 4 * page, D), torch.randn(1, H, 4 * page, D)
+    paged.reserve(0, 32)
+    logical = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 0, 1, None, 1, 32,
+                                device=DEVICE, BLOCK_SIZE=(16, page))
+    old = paged.convert_logical_block_mask(logical)
+    paged.erase(0)
+    paged.reserve(1, 32)
+    with pytest.raises(InputError, match="Convert the logical mask again"):
+        flex_attention(torch.randn(1, H, 1, D), k_cache, v_cache, block_mask=old)
 
 
 # -- GPU (run with -m gpu on the device) ----------------------------------------------------------

@@ -309,3 +309,41 @@ def test_mask_does_not_depend_on_block_size():
         mod, None, None, 61, 83, device="cpu", BLOCK_SIZE=bs)) for bs in (16, (8, 32), 128)]
     for other in outs[1:]:
         torch.testing.assert_close(other, outs[0], rtol=1e-12, atol=1e-12)
+
+
+def _all_partial(B, H, L, S, block, mask_mod):
+    """A BlockMask whose every block is partial: the mask_mod decides every position."""
+    qb, kb = -(-L // block), -(-S // block)
+    num = torch.full((B, H, qb), kb, dtype=torch.int32)
+    idx = torch.arange(kb, dtype=torch.int32).expand(B, H, qb, kb).contiguous()
+    return BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=block, mask_mod=mask_mod,
+                                    seq_lengths=(L, S))
+
+
+def test_mods_are_evaluated_per_element_as_torch_does():
+    # Nested subscripts mean one element per position under torch's vmap; on broadcast index
+    # tensors they would index whole rows (attention-gym's flamingo mask).
+    g = torch.Generator().manual_seed(8)
+    B, H, L, S, D = 2, 2, 12, 15, 8
+    intervals = torch.tensor([[0, 7], [1, 7], [7, 12]])
+    image_of = torch.arange(3).repeat_interleave(5)
+    table = rand(L, S, generator=g)
+    rows = rand(H, 4, generator=g)
+
+    def flamingo(b, h, q_idx, kv_idx):
+        bounds = intervals[image_of[kv_idx]]
+        return (q_idx >= bounds[0]) & (q_idx < bounds[1])
+
+    def nested(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx][kv_idx] + torch.dot(rows[h], rows[h]) * 0.1
+
+    q, k, v = rand(B, H, L, D, generator=g), rand(B, H, S, D, generator=g), rand(B, H, S, D, generator=g)
+    out = flex_attention_reference(q, k, v, nested, _all_partial(B, H, L, S, 8, flamingo))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = torch_flex.flex_attention(
+            q, k, v, score_mod=nested,
+            block_mask=torch_flex.create_block_mask(flamingo, B, H, L, S, device="cpu"))
+    rows_kept = torch_flex.create_mask(flamingo, B, H, L, S, device="cpu").any(-1)
+    torch.testing.assert_close(out[rows_kept], expected[rows_kept], rtol=1e-12, atol=1e-12)
+    assert torch.equal(out[~rows_kept], torch.zeros_like(out[~rows_kept]))

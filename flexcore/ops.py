@@ -1,0 +1,661 @@
+"""flex_attention as torch custom ops: what ``torch.compile`` captures of a flexcore call.
+
+Dynamo must not trace flexcore's host code (lowering with make_fx, code generation, launches), so
+a call under ``torch.compile`` takes three steps while Dynamo traces it (flexcore/README.md,
+"torch.compile"):
+
+1. :func:`record` runs each mod once under a ``TorchFunctionMode`` on 0-d stand-ins of
+   ``(score, b, h, q_idx, kv_idx)``. Dynamo inlines the mod and the mode, so what the mod reads
+   reaches flexcore as Dynamo values with their sources: tensors (closure cells, globals, module
+   parameters, values computed earlier in the model) and Python numbers. What the mod computes is
+   kept as a program: the torch functions it called, with arguments that are constants or
+   references to its inputs, earlier results, its tensors and its numbers.
+2. :func:`register_call` is marked ``torch.compiler.assume_constant_result``: Dynamo runs it in
+   Python (not traced) on the programs, which are Python constants, and puts its result, a string
+   key into a process-level registry, in the graph as a constant.
+3. ``flexcore::flex_attention_forward`` / ``flexcore::flex_attention_backward`` are custom ops
+   with fake implementations and registered autograd, whose inputs are q, k, v, the BlockMask's
+   tables, the mods' tensors and numbers, and the key. At run time the programs are replayed on
+   the numbers and lowered by the eager path's lowering (cached), so numbers are constants of the
+   generated code as in an eager call, whether torch.compile kept them static or symbolic.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from flexcore.errors import InputError, ModError
+
+__all__ = ["record", "register_call", "compiled_flex_attention", "flex_attention_forward",
+           "flex_attention_backward"]
+
+_LN2 = math.log(2.0)
+# Tags in recorded programs: a reference (_REF, where, index...) or a list (_LIST, items). The
+# leading NUL keeps them apart from any tuple a mod could pass to a torch function.
+_REF = "\x00ref"
+_LIST = "\x00list"
+_TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
+           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+# ----------------------------------------------------------------------------------------------
+# Recording a mod while Dynamo traces it
+# ----------------------------------------------------------------------------------------------
+
+def _index_list(tensor: Tensor, index) -> list | None:
+    """``tensor[index]`` as the index list of ``aten.index`` (tensors, ints, ``:``, ``...``),
+    or None where the index holds no tensor or something else. Tensor indices must not become
+    Python ints: under Dynamo that would read a value that is not known while tracing."""
+    items = list(index) if isinstance(index, tuple) else [index]
+    if not any(isinstance(i, Tensor) for i in items):
+        return None
+    if any(i is Ellipsis for i in items):
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * max(tensor.dim() - (len(items) - 1), 0)
+    converted = []
+    for item in items:
+        if isinstance(item, Tensor):
+            converted.append(item)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            converted.append(torch.full((), item, dtype=torch.int64, device=tensor.device))
+        elif isinstance(item, slice) and item == slice(None):
+            converted.append(None)
+        else:
+            return None
+    while converted and converted[-1] is None:
+        converted.pop()
+    return converted
+
+
+class _Recorder(TorchFunctionMode):
+    """Records the torch calls a mod makes on ``inputs``: each call's function and its arguments,
+    as constants or references (to the inputs, to earlier results, to captured tensors, to
+    numbers). Tensors that are none of the former are the mod's captured tensors, in the order it
+    first reads them; Python ints and floats are kept apart, as values torch.compile may hold
+    symbolically."""
+
+    def __init__(self, inputs: list):
+        super().__init__()
+        self.inputs = inputs
+        self.results: list = []   # (tensor, its reference)
+        self.captured: list = []
+        self.ints: list = []
+        self.floats: list = []
+        self.steps: list = []
+
+    def ref(self, x):
+        if isinstance(x, Tensor):
+            for i, t in enumerate(self.inputs):
+                if x is t:
+                    return (_REF, "in", i)
+            for t, ref in self.results:
+                if x is t:
+                    return ref
+            for i, t in enumerate(self.captured):
+                if x is t:
+                    return (_REF, "cap", i)
+            self.captured.append(x)
+            return (_REF, "cap", len(self.captured) - 1)
+        if isinstance(x, bool):
+            return x
+        if isinstance(x, int):
+            self.ints.append(x)
+            return (_REF, "int", len(self.ints) - 1)
+        if isinstance(x, float):
+            self.floats.append(x)
+            return (_REF, "float", len(self.floats) - 1)
+        if isinstance(x, list):
+            return (_LIST, tuple(self.ref(y) for y in x))
+        if isinstance(x, tuple):
+            return tuple(self.ref(y) for y in x)
+        return x
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        getitem = func is Tensor.__getitem__ and len(args) == 2
+        index = _index_list(args[0], args[1]) if getitem else None
+        out = torch.ops.aten.index(args[0], index) if index is not None else func(*args, **kwargs)
+        tensors = isinstance(out, Tensor) or (
+            isinstance(out, (tuple, list)) and any(isinstance(o, Tensor) for o in out))
+        if tensors:  # other results (sizes, dtypes) are constants in the calls that use them
+            step = len(self.steps)
+            refs = tuple((k, self.ref(v)) for k, v in kwargs.items())
+            self.steps.append((func, self.ref(args), refs))
+            if isinstance(out, Tensor):
+                self.results.append((out, (_REF, "val", step)))
+            else:
+                for j, o in enumerate(out):
+                    if isinstance(o, Tensor):
+                        self.results.append((o, (_REF, "item", step, j)))
+        return out
+
+
+class Recorded(NamedTuple):
+    """A recorded mod: ``constants`` = (program, meta, name) are Python constants (what
+    register_call receives), the rest are the values the mod read (op inputs).
+
+    ``program`` is (steps, output reference); ``meta`` holds (dtype, shape, gets a gradient) per
+    captured tensor; ``name`` is the mod's ``__name__``.
+    """
+
+    constants: tuple
+    captured: list
+    ints: list
+    floats: list
+
+
+def record(mod, kind: str, score_dtype: torch.dtype, device: torch.device) -> Recorded:
+    """Run ``mod`` on 0-d stand-ins of its arguments and record what it computes."""
+    inputs = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(4)]
+    if kind == "score":
+        inputs.insert(0, torch.zeros((), dtype=score_dtype, device=device))
+    recorder = _Recorder(inputs)
+    with recorder:
+        out = mod(*inputs)
+    program = (tuple(recorder.steps), recorder.ref(out))
+    if torch.compiler.is_compiling():
+        # The lowering reads captured shapes (index wrapping, per-element indexing): they are
+        # specialised, with guards, under dynamic shapes too.
+        for t in recorder.captured:
+            torch._dynamo.mark_static(t)
+    meta = tuple((t.dtype, tuple(int(s) for s in t.shape),
+                  bool(t.requires_grad and t.is_floating_point())) for t in recorder.captured)
+    name = getattr(mod, "__name__", None)
+    if not isinstance(name, str):  # a bound method's name, under some torch versions
+        name = f"{kind}_mod"
+    return Recorded((program, meta, name), recorder.captured, recorder.ints, recorder.floats)
+
+
+def _resolve(spec, inputs, results, values):
+    if isinstance(spec, tuple):
+        if spec and spec[0] == _REF:
+            where = spec[1]
+            if where == "in":
+                return inputs[spec[2]]
+            if where == "val":
+                return results[spec[2]]
+            if where == "item":
+                return results[spec[2]][spec[3]]
+            return values[where][spec[2]]
+        if spec and spec[0] == _LIST:
+            return [_resolve(s, inputs, results, values) for s in spec[1]]
+        return tuple(_resolve(s, inputs, results, values) for s in spec)
+    return spec
+
+
+def replay(program, name: str, captured, ints=(), floats=()):
+    """The mod a program was recorded from, as a function of its arguments, reading ``captured``
+    (in the program's order) where the mod read its tensors and ``ints``/``floats`` where it
+    read numbers."""
+    steps, out = program
+    values = {"cap": captured, "int": ints, "float": floats}
+
+    def replayed(*inputs):
+        results = []
+        for func, args, kwargs in steps:
+            results.append(func(*_resolve(args, inputs, results, values),
+                                **{k: _resolve(v, inputs, results, values) for k, v in kwargs}))
+        return _resolve(out, inputs, results, values)
+
+    replayed.__name__ = replayed.__qualname__ = name if isinstance(name, str) else "mod"
+    return replayed
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry of recorded calls, lowered per set of numbers
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(eq=False)
+class Lowered:
+    """A call's mods lowered for one set of numbers.
+
+    Attributes:
+        score, mask: LoweredMods whose ``captured`` are stand-ins (:meth:`CallSpec.bind` puts the
+            call's tensors in their place).
+        score_order, mask_order: for each of ``score.captured`` (``mask.captured``), the index of
+            its tensor among the recorded ones.
+        score_fn: the score_mod replayed on the stand-ins (its gradient is lowered from it).
+    """
+
+    score: object
+    score_order: tuple
+    score_fn: object
+    mask: object
+    mask_order: tuple
+    score_bwd: object = None
+
+
+@dataclass(eq=False)
+class CallSpec:
+    """What a compiled call fixes: the recorded mods, the query's dtype and the kernel options.
+
+    Attributes:
+        key: the registry key.
+        dtype: the query's dtype.
+        score, mask: ``Recorded.constants`` of the score_mod and the mask_mod, or None.
+        score_grads: recorded indices of the score_mod's tensors that get a gradient.
+        opts: KernelOptions. want_max: the call returns max_scores.
+    """
+
+    key: str
+    dtype: torch.dtype
+    score: tuple | None
+    mask: tuple | None
+    score_grads: tuple
+    opts: object
+    want_max: bool
+    _lowered: dict = field(default_factory=dict, repr=False)
+
+    def lowered(self, numbers: tuple) -> Lowered:
+        """The mods lowered for ``numbers`` ((score ints, score floats, mask ints, mask floats)),
+        lowered once per distinct set."""
+        found = self._lowered.get(numbers)
+        if found is None:
+            found = _in_own_thread(self._lower, numbers)
+            with _lock:
+                if len(self._lowered) >= _LOWERED_PER_CALL:  # a number that changes at every step
+                    self._lowered.pop(next(iter(self._lowered)))
+                self._lowered.setdefault(numbers, found)
+        return found
+
+    def _lower(self, numbers) -> Lowered:
+        score_ints, score_floats, mask_ints, mask_floats = numbers
+        score_dtype = _score_dtype_of(self.dtype)
+        fast_math = self.dtype in (torch.float16, torch.bfloat16)
+        with _without_lines():
+            score, score_order, score_fn = _lower("score", self.score, score_ints, score_floats,
+                                                  score_dtype, fast_math)
+            mask, mask_order, _ = _lower("mask", self.mask, mask_ints, mask_floats, score_dtype, False)
+        return Lowered(score, score_order, score_fn, mask, mask_order)
+
+    def bind(self, lowered: Lowered, score_caps, mask_caps):
+        """(score, mask) LoweredMods reading the call's captured tensors."""
+        score, mask = lowered.score, lowered.mask
+        if lowered.score_order:
+            score = dataclasses.replace(
+                score, captured=tuple(score_caps[i] for i in lowered.score_order))
+        if lowered.mask_order:
+            mask = dataclasses.replace(mask, captured=tuple(mask_caps[i] for i in lowered.mask_order))
+        return score, mask
+
+    def score_backward(self, lowered: Lowered):
+        """The score_mod's lowered gradient (flexcore.lowering.vjp), lowered once."""
+        if lowered.score_bwd is None:
+            from flexcore.lowering.vjp import lower_score_mod_backward
+
+            with _without_lines():
+                lowered.score_bwd = _in_own_thread(lower_score_mod_backward, lowered.score_fn,
+                                                   lowered.score, _score_dtype_of(self.dtype))
+        return lowered.score_bwd
+
+
+@contextlib.contextmanager
+def _without_lines():
+    """A ModError from lowering a replayed program names the mod and the op, not a line: the
+    program has none of the user's."""
+    try:
+        yield
+    except ModError as error:
+        raise type(error)(f"{error.message} (in a call compiled by torch.compile; call it eagerly "
+                          f"to see the line)", mod_name=error.mod_name, op=error.op) from None
+
+
+def _score_dtype_of(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_calls: dict[str, CallSpec] = {}
+_lock = threading.Lock()
+_LOWERED_PER_CALL = 64
+
+
+def _stand_ins(meta) -> list[Tensor]:
+    """One tensor per captured tensor with its dtype, shape and requires_grad, holding one
+    element (stride 0): the lowering reads only those."""
+    return [torch.empty_strided(shape, (0,) * len(shape), dtype=dtype).requires_grad_(grad)
+            for dtype, shape, grad in meta]
+
+
+def _lower(kind: str, recorded, ints, floats, score_dtype: torch.dtype, fast_math: bool):
+    """(LoweredMod on stand-ins, order, replayed fn) of a recorded mod (None: the trivial mod)."""
+    from flexcore.lowering import lower_mask_mod, lower_score_mod
+
+    if recorded is None:
+        lowered = lower_score_mod(None) if kind == "score" else lower_mask_mod(None)
+        return lowered, (), None
+    program, meta, name = recorded
+    stand_ins = _stand_ins(meta)
+    fn = replay(program, name, stand_ins, ints, floats)
+    if kind == "score":
+        lowered = lower_score_mod(fn, score_dtype, fast_math=fast_math)
+    else:
+        lowered = lower_mask_mod(fn)
+    position = {id(t): i for i, t in enumerate(stand_ins)}
+    return lowered, tuple(position[id(t)] for t in lowered.captured), fn
+
+
+def _in_own_thread(fn, *args):
+    """``fn(*args)`` in a new thread: away from the tracing state that torch keeps per thread
+    (torch.compile's tracing context and fake tensor mode, which make_fx would otherwise join,
+    and the dispatch state of a running op)."""
+    result: dict = {}
+
+    def run():
+        try:
+            result["value"] = fn(*args)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            result["error"] = error
+
+    worker = threading.Thread(target=run, name="flexcore-lowering")
+    worker.start()
+    worker.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+@torch.compiler.assume_constant_result
+def register_call(score, mask, dtype: torch.dtype, device_type: str, kernel_options,
+                  want_max: bool) -> str:
+    """Keep a recorded call in the registry and return its key (which Dynamo keeps in the graph
+    as a constant). The key is a hash of the call's constants, the same in every process.
+
+    Args:
+        score, mask: ``Recorded.constants`` of the score_mod and of the mask_mod, or None.
+        dtype: the query's dtype. device_type: the query's device type.
+        kernel_options: as flex_attention takes it (a dict as a tuple of its items).
+        want_max: the call returns max_scores.
+    """
+    from flexcore._runtime import use_interpreter
+    from flexcore.options import KernelOptions
+
+    if device_type != "cuda" and not use_interpreter():
+        raise InputError(f"flexcore's kernels run on CUDA tensors on this machine; query is on "
+                         f"{device_type}. Move the inputs with .cuda(), or use flexcore.reference")
+    opts = KernelOptions.from_any(dict(kernel_options) if isinstance(kernel_options, tuple)
+                                  else kernel_options)
+    score_grads = () if score is None else tuple(i for i, (_, _, grad) in enumerate(score[1]) if grad)
+    text = repr((_describe(score), _describe(mask), str(dtype), opts, want_max))
+    key = "flexcore-" + hashlib.sha256(text.encode()).hexdigest()[:32]
+    with _lock:
+        if key not in _calls:
+            _calls[key] = CallSpec(key, dtype, score, mask, score_grads, opts, want_max)
+    return key
+
+
+def _describe(constants) -> str:
+    """A text of a recorded mod that is the same in every process: functions by their module
+    and name (a default repr shows an address)."""
+    def text(x):
+        if isinstance(x, tuple):
+            return "(" + ", ".join(text(y) for y in x) + ")"
+        if callable(x):
+            owner = getattr(x, "__objclass__", None)
+            return ".".join(filter(None, (getattr(x, "__module__", None),
+                                          getattr(owner, "__qualname__", None),
+                                          getattr(x, "__qualname__", None) or repr(x))))
+        return repr(x)
+
+    return "None" if constants is None else text(constants)
+
+
+def spec_of(key: str) -> CallSpec:
+    spec = _calls.get(key)
+    if spec is None:
+        raise RuntimeError(f"flexcore: no recorded call under the key {key!r}. Keys are made while "
+                           "torch.compile traces flex_attention in this process; a graph loaded "
+                           "from a cache needs the model traced again (call the compiled model).")
+    return spec
+
+
+# ----------------------------------------------------------------------------------------------
+# The BlockMask a call's tables belong to
+# ----------------------------------------------------------------------------------------------
+
+_MASKS_PER_TABLE = 4
+
+
+def block_mask_of(spec: CallSpec, lowered: Lowered, tables, block, mask_caps, numbers,
+                  query: Tensor, key: Tensor):
+    """The flexcore BlockMask of the op's tables: the all-full mask without tables, else one
+    rebuilt around them. The rebuilt mask is kept on its kv_num_blocks table (it leaves with the
+    table), so that a repeated call finds the same object and flexcore's per-mask caches (views,
+    launch orders, transposed and finer tables, plans) apply as in eager calls."""
+    from flexcore import attention
+
+    if tables[0] is None:
+        return attention._full_block_mask(query.shape[2], key.shape[2], query.device)
+    holder = tables[0]
+    block = tuple(block)
+    ident = (lowered.mask.key, block, numbers[2:], tuple(map(id, tables)), tuple(map(id, mask_caps)))
+    kept = holder.__dict__.get("_flexcore_masks")
+    if kept is not None:
+        mask = kept.get(ident)
+        if mask is not None:
+            return mask
+    else:
+        kept = holder.__dict__["_flexcore_masks"] = {}
+    from flexcore.blockmask import BlockMask
+
+    program, _, name = spec.mask
+    # The tables are the user's mask's own (or copies of them in a CUDA graph's static inputs):
+    # checked when that mask was built, so their contents are not read again.
+    mask = BlockMask._trusted(seq_lengths=block[2:], BLOCK_SIZE=block[:2],
+                              mask_mod=replay(program, name, list(mask_caps), *numbers[2:]),
+                              **dict(zip(_TABLES, tables)))
+    if len(kept) >= _MASKS_PER_TABLE:
+        kept.pop(next(iter(kept)))
+    kept[ident] = mask
+    return mask
+
+
+def _prepare(call, tables, block, score_caps, mask_caps, numbers, query, key):
+    """(spec, lowered, BlockMask, score LoweredMod, mask LoweredMod) of an op call."""
+    from flexcore import attention
+
+    attention.ready()
+    spec = spec_of(call)
+    lowered = spec.lowered(numbers)
+    block_mask = block_mask_of(spec, lowered, tables, block, mask_caps, numbers, query, key)
+    score, mask = spec.bind(lowered, score_caps, mask_caps)
+    attention.check_indices(score, mask, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
+                            spec.opts)
+    return spec, lowered, block_mask, score, mask
+
+
+# ----------------------------------------------------------------------------------------------
+# The custom ops
+# ----------------------------------------------------------------------------------------------
+
+_INPUTS = (", ".join(f"Tensor? {name}" for name in _TABLES)
+           + ", Tensor[] score_captured, Tensor[] mask_captured, SymInt[] score_ints, "
+             "float[] score_floats, SymInt[] mask_ints, float[] mask_floats, SymInt[] block, "
+             "str call, float scale")
+_N_AFTER_TABLES = 10  # the inputs after the tables in _INPUTS
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# Under mode="reduce-overhead" the ops run between the CUDA graphs, not inside them: their first
+# call per mask reads table statistics back to the host and builds tables (finer tables, launch
+# orders, union lists) that are cached beyond the call, which a graph's memory pool cannot hold.
+_TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op(
+    "flexcore::flex_attention_forward", mutates_args=(), tags=_TAGS,
+    schema=f"(Tensor query, Tensor key, Tensor value, {_INPUTS}) -> (Tensor, Tensor, Tensor)")
+def flex_attention_forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
+                           full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks,
+                           full_q_indices, score_captured, mask_captured, score_ints, score_floats,
+                           mask_ints, mask_floats, block, call, scale):
+    """(out, lse, row_stats) of a registered call (flexcore.kernels.forward.forward's contract;
+    the decoding kernel's row_stats are derived from its lse and row max)."""
+    from flexcore import attention
+
+    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
+              q_indices, full_q_num_blocks, full_q_indices)
+    numbers = (tuple(score_ints), tuple(score_floats), tuple(mask_ints), tuple(mask_floats))
+    spec, _, block_mask, score, mask = _prepare(call, tables, block, score_captured, mask_captured,
+                                                numbers, query, key)
+    B, Hq = query.shape[:2]
+    out, lse, row_stats, max_scores = attention.forward_kernels(
+        query, key, value, score, mask, attention._kv_blocks(block_mask, B, Hq), scale, spec.opts,
+        spec.want_max)
+    if row_stats is None:
+        row_stats = attention.decode_row_stats(lse, max_scores)
+    return out, lse, row_stats
+
+
+@flex_attention_forward.register_fake
+def _forward_fake(query, key, value, *rest):
+    from flexcore import attention
+
+    attention.ready()
+    from flexcore.kernels.forward import output_strides
+
+    B, Hq, L = query.shape[:3]
+    shape = (B, Hq, L, value.shape[-1])
+    # The kernels' own layout rule (the query's stride order); its cache cannot key symbolic sizes.
+    strides = getattr(output_strides, "__wrapped__", output_strides)(shape, tuple(query.stride()))
+    acc = _acc_dtype(query.dtype)
+    return (query.new_empty_strided(shape, strides), query.new_empty((B, Hq, L), dtype=acc),
+            query.new_empty((2, B, Hq, L), dtype=acc))
+
+
+@torch.library.custom_op(
+    "flexcore::flex_attention_backward", mutates_args=(), tags=_TAGS,
+    schema=f"(Tensor query, Tensor key, Tensor value, Tensor out, Tensor row_stats, "
+           f"Tensor grad_out, Tensor? grad_lse, {_INPUTS}) -> (Tensor, Tensor, Tensor, Tensor[])")
+def flex_attention_backward(query, key, value, out, row_stats, grad_out, grad_lse, kv_num_blocks,
+                            kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
+                            full_q_num_blocks, full_q_indices, score_captured, mask_captured,
+                            score_ints, score_floats, mask_ints, mask_floats, block, call, scale):
+    """(dq, dk, dv, gradients of the score_mod's tensors that get one, in
+    ``CallSpec.score_grads`` order)."""
+    from flexcore import attention
+
+    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
+              q_indices, full_q_num_blocks, full_q_indices)
+    numbers = (tuple(score_ints), tuple(score_floats), tuple(mask_ints), tuple(mask_floats))
+    spec, lowered, block_mask, score, mask = _prepare(call, tables, block, score_captured,
+                                                      mask_captured, numbers, query, key)
+    B, Hq = query.shape[:2]
+    dq, dk, dv, grads = attention.backward_kernels(
+        query, key, value, out, row_stats, grad_out, grad_lse, score, spec.score_backward(lowered),
+        mask, block_mask, attention._kv_blocks(block_mask, B, Hq), scale, spec.opts)
+    by_recorded = {lowered.score_order[j]: g for j, g in enumerate(grads) if g is not None}
+    # A tensor the mod reads without its value reaching the score (the lowering dropped it) has a
+    # zero gradient.
+    cap_grads = [by_recorded[i] if i in by_recorded
+                 else torch.zeros_like(score_captured[i], memory_format=torch.contiguous_format)
+                 for i in spec.score_grads]
+    return dq, dk, dv, cap_grads
+
+
+@flex_attention_backward.register_fake
+def _backward_fake(query, key, value, out, row_stats, grad_out, grad_lse, *rest):
+    score_captured, call = rest[len(_TABLES)], rest[-2]
+    spec = spec_of(call)
+    contiguous = torch.contiguous_format
+    return (torch.empty_like(query, memory_format=contiguous),
+            torch.empty_like(key, memory_format=contiguous),
+            torch.empty_like(value, memory_format=contiguous),
+            [torch.empty_like(score_captured[i], memory_format=contiguous) for i in spec.score_grads])
+
+
+def _grad_of_list(values):
+    """The gradient of a list input that has none: torch.library takes a list of tensors (an
+    empty list is one) to have a list gradient, and a list of numbers a None."""
+    return [None] * len(values) if all(isinstance(v, Tensor) for v in values) else None
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value = inputs[:3]
+    tables = inputs[3:3 + len(_TABLES)]
+    rest = inputs[3 + len(_TABLES):]
+    score_captured, mask_captured = rest[0], rest[1]
+    out, _, row_stats = output
+    ctx.mark_non_differentiable(row_stats)
+    ctx.save_for_backward(query, key, value, out, row_stats, *[t for t in tables if t is not None],
+                          *score_captured, *mask_captured)
+    ctx.present = tuple(t is not None for t in tables)
+    ctx.counts = (len(score_captured), len(mask_captured))
+    ctx.rest = rest[2:]  # numbers, block, call, scale
+
+
+def _backward(ctx, grad_out, grad_lse, _grad_row_stats):
+    saved = list(ctx.saved_tensors)
+    query, key, value, out, row_stats = saved[:5]
+    it = iter(saved[5:])
+    tables = [next(it) if present else None for present in ctx.present]
+    n_score, n_mask = ctx.counts
+    score_captured = [next(it) for _ in range(n_score)]
+    mask_captured = [next(it) for _ in range(n_mask)]
+    no_grads = tuple(_grad_of_list(v) if isinstance(v, list) else None for v in ctx.rest)
+    if grad_out is None and grad_lse is None:
+        return (None,) * (3 + len(_TABLES)) + ([None] * n_score, [None] * n_mask) + no_grads
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    call = ctx.rest[-2]
+    dq, dk, dv, cap_grads = flex_attention_backward(
+        query, key, value, out, row_stats, grad_out, grad_lse, *tables, score_captured,
+        mask_captured, *ctx.rest)
+    grads = [None] * n_score
+    for i, g in zip(spec_of(call).score_grads, cap_grads):
+        grads[i] = g
+    return (dq, dk, dv, *[None] * len(_TABLES), grads, [None] * n_mask) + no_grads
+
+
+flex_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# The call Dynamo traces
+# ----------------------------------------------------------------------------------------------
+
+def compiled_flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                            kernel_options, want_max: bool):
+    """flex_attention's body under torch.compile: (out, lse, max_scores or None)."""
+    from flexcore.attention import check_call
+
+    check_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    # Head counts and head dims are static, as torch's flex_attention makes them: the kernels
+    # specialise on them.
+    for t in (query, key, value):
+        torch._dynamo.mark_static(t, -3)
+        torch._dynamo.mark_static(t, -1)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    score_dtype = _score_dtype_of(query.dtype)
+    device = query.device
+    score = None if score_mod is None else record(score_mod, "score", score_dtype, device)
+    if block_mask is None:
+        mask, block, tables = None, [], (None,) * len(_TABLES)
+    else:
+        mask = record(block_mask.mask_mod, "mask", score_dtype, device)
+        block = [*block_mask.BLOCK_SIZE, *block_mask.seq_lengths]
+        tables = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+                  block_mask.full_kv_indices, block_mask.q_num_blocks, block_mask.q_indices,
+                  block_mask.full_q_num_blocks, block_mask.full_q_indices)
+    if isinstance(kernel_options, dict):
+        kernel_options = tuple(kernel_options.items())
+    call = register_call(None if score is None else score.constants,
+                         None if mask is None else mask.constants, query.dtype, device.type,
+                         kernel_options, want_max)
+    out, lse, row_stats = flex_attention_forward(
+        query, key, value, *tables, [] if score is None else score.captured,
+        [] if mask is None else mask.captured, [] if score is None else score.ints,
+        [] if score is None else score.floats, [] if mask is None else mask.ints,
+        [] if mask is None else mask.floats, block, call, scale)
+    return out, lse, (row_stats[0] * _LN2 if want_max else None)

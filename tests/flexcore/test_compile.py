@@ -1,0 +1,438 @@
+"""flex_attention under torch.compile (flexcore.ops), and the eager call's cache of prepared calls.
+
+A compiled model must trace in one graph (``torch._dynamo.explain`` counts no break), and give
+eager's outputs and gradients, captured tensors' included, with static and dynamic shapes. The
+model test runs Inductor end to end; the variations run the ``aot_eager`` backend, which traces
+the same graph and the same autograd through the ops without compiling the linear layers (each
+Inductor compile takes seconds on the CPU). Everything runs flexcore's real kernels under Triton's
+interpreter, at tiny shapes.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from flexcore import AuxRequest, create_block_mask, flex_attention, ops
+from flexcore import attention
+from flexcore.errors import UnsupportedOpError
+from flexcore.reference import flex_attention_reference
+from flexcore.testing import assert_close_to_reference
+from tests.flexcore.compare import seed_of
+
+H, D = 2, 16
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+class AttentionBlock(nn.Module):
+    """Linear layers around flex_attention: causal, with ALiBi-like biases whose slopes are a
+    learnable Parameter. ``attend`` is flex_attention's signature (the reference stands in)."""
+
+    def __init__(self, attend=flex_attention):
+        super().__init__()
+        self.attend = attend
+        self.qkv = nn.Linear(H * D, 3 * H * D)
+        self.proj = nn.Linear(H * D, H * D)
+        self.slopes = nn.Parameter(torch.exp2(-torch.arange(1.0, H + 1)))
+
+    def forward(self, x, block_mask):
+        B, L, _ = x.shape
+        # (B, H, L, D) views of one projection: not contiguous, as in real models.
+        q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
+        slopes = self.slopes
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx - kv_idx)
+
+        out = self.attend(q, k, v, score_mod=alibi, block_mask=block_mask)
+        return self.proj(out.transpose(1, 2).reshape(B, L, H * D))
+
+
+def run_block(model, x, block_mask, weights):
+    """(output, gradients of every parameter and of x) of the loss (model(x) * weights).sum()."""
+    x = x.detach().clone().requires_grad_()
+    model.zero_grad(set_to_none=True)
+    out = model(x, block_mask)
+    (out * weights).sum().backward()
+    grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()}
+    return out.detach(), {**grads, "x": x.grad}
+
+
+def assert_same(got, expected, what):
+    out, grads = got
+    out0, grads0 = expected
+    torch.testing.assert_close(out, out0, rtol=1e-5, atol=1e-5, msg=f"{what}: output")
+    assert grads.keys() == grads0.keys()
+    for name in grads0:
+        torch.testing.assert_close(grads[name], grads0[name], rtol=1e-4, atol=1e-5,
+                                   msg=f"{what}: gradient of {name}")
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_model_matches_eager_and_float64(dynamic):
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(seed_of("model", dynamic))
+    model = AttentionBlock()
+    L = 64
+    x = torch.randn(2, L, H * D, generator=g)
+    weights = torch.randn(2, L, H * D, generator=g)
+    bm = create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+
+    assert torch._dynamo.explain(model)(x, bm).graph_break_count == 0
+    eager = run_block(model, x, bm, weights)
+    compiled = torch.compile(model, fullgraph=True, dynamic=dynamic)
+    got = run_block(compiled, x, bm, weights)
+    assert_same(got, eager, "compiled")
+    assert got[1]["slopes"].abs().min() > 0
+
+    # The same model on the float64 reference; torch's own float32 error sets the tolerance.
+    golden = AttentionBlock(lambda *a, **kw: flex_attention_reference(*a, **kw, upcast=True)).double()
+    golden.load_state_dict(model.state_dict())
+    gold = run_block(golden, x.double(), bm, weights.double())
+    baseline = AttentionBlock(lambda *a, **kw: flex_attention_reference(*a, **kw, upcast=False))
+    baseline.load_state_dict(model.state_dict())
+    base = run_block(baseline, x, bm, weights)
+    assert_close_to_reference(got[0], gold[0], base[0], name="out", metric="rel_fro")
+    for name in gold[1]:
+        assert_close_to_reference(got[1][name], gold[1][name], base[1][name], name=name,
+                                  metric="rel_fro")
+
+    # Another batch size (dynamic: the same graph) and another length with its own mask.
+    for B, L2 in ((3, 64), (2, 32)):
+        x2 = torch.randn(B, L2, H * D, generator=g)
+        w2 = torch.randn(B, L2, H * D, generator=g)
+        bm2 = bm if L2 == L else create_block_mask(causal, None, None, L2, L2, device="cpu",
+                                                   BLOCK_SIZE=32)
+        assert_same(run_block(compiled, x2, bm2, w2), run_block(model, x2, bm2, w2), f"B={B} L={L2}")
+
+
+# -- the forms a score_mod takes, with the tensors it reads ------------------------------------
+
+GLOBAL_BIAS = torch.randn(H, requires_grad=True)
+
+
+def global_bias(score, b, h, q_idx, kv_idx):
+    return score + GLOBAL_BIAS[h]
+
+
+class Forms(nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.form = form
+        self.slopes = nn.Parameter(torch.rand(H) + 0.1)
+        self.table = torch.randn(64, 64, requires_grad=True)  # a plain tensor with a gradient
+
+    def method(self, score, b, h, q_idx, kv_idx):
+        return score - self.slopes[h] * (q_idx - kv_idx).abs()
+
+    def forward(self, q, k, v, block_mask):
+        table = self.table
+
+        def nested_self(score, b, h, q_idx, kv_idx):
+            return torch.where(q_idx >= kv_idx, score * self.slopes[h], score)
+
+        def nested_table(score, b, h, q_idx, kv_idx):  # nested indexing: per-element semantics
+            return score + table[q_idx][kv_idx]
+
+        mods = {"method": self.method, "nested_self": nested_self, "nested_table": nested_table,
+                "global": global_bias}
+        return flex_attention(q, k, v, score_mod=mods[self.form], block_mask=block_mask)
+
+
+def run_attention(fn, tensors, weights):
+    """(output, gradients of ``tensors``) of (fn() * weights).sum(); gradients are reset."""
+    for t in tensors:
+        t.grad = None
+    out = fn()
+    (out * weights).sum().backward()
+    grads = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    return out.detach(), grads
+
+
+def qkv(L, S=None, Hkv=H, seed=0, B=2):
+    g = torch.Generator().manual_seed(seed)
+    S = L if S is None else S
+    return (torch.randn(B, H, L, D, generator=g, requires_grad=True),
+            torch.randn(B, Hkv, S, D, generator=g, requires_grad=True),
+            torch.randn(B, Hkv, S, D, generator=g, requires_grad=True))
+
+
+@pytest.mark.parametrize("form", ["method", "nested_self", "nested_table", "global"])
+def test_score_mod_forms(form):
+    torch._dynamo.reset()
+    model = Forms(form)
+    q, k, v = qkv(64, seed=seed_of("forms", form))
+    bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    captured = {"method": [model.slopes], "nested_self": [model.slopes],
+                "nested_table": [model.table], "global": [GLOBAL_BIAS]}[form]
+    tensors = [q, k, v, *captured]
+    weights = torch.randn(q.shape)
+    assert torch._dynamo.explain(model)(q, k, v, bm).graph_break_count == 0
+    eager = run_attention(lambda: model(q, k, v, bm), tensors, weights)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out, grads = run_attention(lambda: compiled(q, k, v, bm), tensors, weights)
+    torch.testing.assert_close(out, eager[0], rtol=1e-6, atol=1e-6)
+    for got, expected in zip(grads, eager[1]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert grads[-1].abs().sum() > 0
+
+
+def test_mask_mod_reading_a_tensor():
+    """A document mask whose ids tensor is a graph input: updating it in place (to documents of
+    the same blocks) reaches the kernel without recompiling."""
+    torch._dynamo.reset()
+    L = 64
+    doc = torch.tensor([0] * 20 + [1] * 30 + [2] * 14)
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    bm = create_block_mask(document, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+    q, k, v = qkv(L, seed=3)
+    weights = torch.randn(q.shape)
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=bm)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for step in range(2):
+        got = run_attention(lambda: compiled(q, k, v), [q, k, v], weights)
+        eager = run_attention(lambda: fn(q, k, v), [q, k, v], weights)
+        gold = flex_attention_reference(q, k, v, block_mask=bm)
+        torch.testing.assert_close(got[0], eager[0], rtol=0, atol=0)
+        for a, b in zip(got[1], eager[1]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(got[0], gold.float(), rtol=1e-4, atol=1e-5)
+        doc[25:30] = 7  # a new document inside blocks the mask already lists as partial
+
+
+@pytest.mark.parametrize("case", ["no_mask", "gqa", "decode"])
+def test_call_variants(case):
+    """No BlockMask (the all-full mask), grouped-query heads, and a decoding-length query (the
+    decode kernel, whose backward derives the row statistics from its lse)."""
+    torch._dynamo.reset()
+    if case == "no_mask":
+        q, k, v = qkv(64, seed=5)
+        bm, kwargs = None, {}
+    elif case == "gqa":
+        q, k, v = qkv(64, Hkv=1, seed=6)
+        bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+        kwargs = {"enable_gqa": True}
+    else:
+        q, k, v = qkv(8, 64, seed=7)
+
+        def cache_causal(b, h, q_idx, kv_idx):
+            return q_idx + 56 >= kv_idx
+
+        bm = create_block_mask(cache_causal, None, None, 8, 64, device="cpu", BLOCK_SIZE=32)
+        kwargs = {}
+    weights = torch.randn(q.shape)
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=bm, **kwargs)
+
+    assert torch._dynamo.explain(fn)(q, k, v).graph_break_count == 0
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got = run_attention(lambda: compiled(q, k, v), [q, k, v], weights)
+    eager = run_attention(lambda: fn(q, k, v), [q, k, v], weights)
+    torch.testing.assert_close(got[0], eager[0], rtol=0, atol=0)
+    for a, b in zip(got[1], eager[1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    gold = flex_attention_reference(q, k, v, block_mask=bm, **kwargs)
+    torch.testing.assert_close(got[0], gold.float(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("L,S", [(64, 64), (8, 64)], ids=["forward", "decode"])
+def test_compiled_aux(L, S):
+    """return_aux under torch.compile: lse and max_scores as eager's, and the lse's gradient."""
+    torch._dynamo.reset()
+    q, k, v = qkv(L, S, seed=seed_of("aux", L))
+    slopes = torch.rand(H, requires_grad=True)
+    offset = S - L
+
+    def gapped(b, h, q_idx, kv_idx):
+        return (q_idx + offset >= kv_idx) & (q_idx % 5 != 2)
+
+    bm = create_block_mask(gapped, None, None, L, S, device="cpu", BLOCK_SIZE=32)
+    w_lse = torch.randn(q.shape[:3])
+
+    def fn(q, k, v):
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx + offset - kv_idx)
+
+        out, aux = flex_attention(q, k, v, score_mod=alibi, block_mask=bm,
+                                  return_aux=AuxRequest(lse=True, max_scores=True))
+        lse = torch.where(torch.isinf(aux.lse), 0.0, aux.lse)
+        return out, lse, aux.max_scores
+
+    def run(f):
+        for t in (q, k, v, slopes):
+            t.grad = None
+        out, lse, max_scores = f(q, k, v)
+        assert not max_scores.requires_grad
+        (out.sum() + (lse * w_lse).sum()).backward()
+        return out.detach(), lse.detach(), max_scores, [t.grad.clone() for t in (q, k, v, slopes)]
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    got, eager = run(compiled), run(fn)
+    for a, b in zip(got[:3], eager[:3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for a, b in zip(got[3], eager[3]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert torch.isinf(got[2]).any() and got[3][3].abs().sum() > 0
+
+
+def test_inference_and_kernel_options():
+    torch._dynamo.reset()
+    q, k, v = qkv(64, seed=9)
+    bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+
+    def fn(q, k, v):
+        with torch.no_grad():
+            return flex_attention(q, k, v, block_mask=bm,
+                                  kernel_options={"BLOCK_M": 16, "BLOCK_N": 16})
+
+    out = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, fn(q, k, v), rtol=0, atol=0)
+
+
+def test_python_constants_of_a_mod_are_guarded():
+    """A mod's Python constant (a bias scale) is part of the recorded program: changing it
+    retraces, and the compiled call follows."""
+    torch._dynamo.reset()
+    q, k, v = qkv(64, seed=10)
+    setting = {"scale": 0.5}
+
+    def fn(q, k, v):
+        c = setting["scale"]
+
+        def linear_bias(score, b, h, q_idx, kv_idx):
+            return score - c * (q_idx - kv_idx)
+
+        return flex_attention(q, k, v, score_mod=linear_bias)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    outs = []
+    for c in (0.5, 0.125):
+        setting["scale"] = c
+        outs.append(compiled(q, k, v))
+        torch.testing.assert_close(outs[-1], fn(q, k, v), rtol=0, atol=0)
+    assert not torch.allclose(outs[0], outs[1])
+
+
+def test_unsupported_mod_fails_with_its_name():
+    """The lowering's own error, naming the mod and the op, from the compiled call's first run."""
+    torch._dynamo.reset()
+    q, k, v = qkv(64, seed=11)
+
+    def bessel(score, b, h, q_idx, kv_idx):
+        return torch.special.bessel_j0(score)
+
+    compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=bessel), fullgraph=True,
+                             backend="aot_eager")
+    with pytest.raises(UnsupportedOpError,
+                       match=r"in bessel: torch.special.bessel_j0 .*torch.compile"):
+        compiled(q, k, v)
+
+
+# -- the ops themselves --------------------------------------------------------------------------
+
+def registered_call(L=64, seed=12):
+    """(args of flexcore::flex_attention_forward, slopes) for a causal ALiBi call."""
+    attention.ready()
+    g = torch.Generator().manual_seed(seed)
+    slopes = torch.rand(H, generator=g, requires_grad=True)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx) * 0.5
+
+    bm = create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+    device = torch.device("cpu")
+    score = ops.record(alibi, "score", torch.float32, device)
+    mask = ops.record(causal, "mask", torch.float32, device)
+    call = ops.register_call(score.constants, mask.constants, torch.float32, "cpu", None, False)
+    # Queries laid out (B, L, H, D) in memory: the output keeps that order.
+    q = torch.randn(2, L, H, D, generator=g).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(2, H, L, D, generator=g, requires_grad=True) for _ in range(2))
+    tables = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+              bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
+    args = (q, k, v, *tables, score.captured, mask.captured, score.ints, score.floats, mask.ints,
+            mask.floats, [*bm.BLOCK_SIZE, *bm.seq_lengths], call, 1 / math.sqrt(D))
+    assert score.floats == [0.5]
+    return args, slopes
+
+
+def test_opcheck_forward_op():
+    """Schema, fake implementation (shapes, dtypes, strides), autograd registration and tracing
+    with dynamic shapes, as torch.library checks them."""
+    args, _ = registered_call()
+    torch.library.opcheck(torch.ops.flexcore.flex_attention_forward.default, args)
+
+
+def test_opcheck_backward_op():
+    args, slopes = registered_call()
+    q, k, v = (t.detach() for t in args[:3])
+    out, lse, row_stats = torch.ops.flexcore.flex_attention_forward(q, k, v, *args[3:])
+    grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
+    score_caps = [t.detach() for t in args[11]]  # the backward op itself is not differentiable
+    bwd_args = (q, k, v, out, row_stats, grad_out, grad_lse, *args[3:11], score_caps, *args[12:])
+    # The backward op has no gradient of its own (no double backward): its aot_dispatch check,
+    # which differentiates through the op, does not apply.
+    torch.library.opcheck(torch.ops.flexcore.flex_attention_backward.default, bwd_args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    dq, dk, dv, (dslopes,) = torch.ops.flexcore.flex_attention_backward(*bwd_args)
+    assert dslopes.shape == slopes.shape and dslopes.abs().sum() > 0
+
+
+def test_registry_keys_are_structural():
+    """A key names a recorded program, not its numbers: the same mod with another number (or
+    another closure object) has the same key; another program another key."""
+    attention.ready()
+    device = torch.device("cpu")
+
+    def make(shift, square=False):
+        def mod(score, b, h, q_idx, kv_idx):
+            d = q_idx - kv_idx
+            return score + shift * (d * d if square else d)
+        return mod
+
+    recorded = [ops.record(make(s, sq), "score", torch.float32, device)
+                for s, sq in ((0.5, False), (0.25, False), (0.5, True))]
+    keys = [ops.register_call(r.constants, None, torch.float32, "cpu", None, False) for r in recorded]
+    assert keys[0] == keys[1] != keys[2]
+    assert recorded[0].floats == [0.5] and recorded[1].floats == [0.25]
+    spec = ops.spec_of(keys[0])
+    half = spec.lowered(((), (0.5,), (), ())).score.source
+    assert half == spec.lowered(((), (0.5,), (), ())).score.source
+    assert half != spec.lowered(((), (0.25,), (), ())).score.source
+
+
+# -- the eager call's prepared calls -------------------------------------------------------------
+
+def test_prepared_calls_are_reused_and_follow_the_mask(monkeypatch):
+    """A repeated call skips the checks; assigning a BlockMask's mask_mod (a new state) is seen."""
+    checks = []
+    real = attention.validate_inputs
+    monkeypatch.setattr(attention, "validate_inputs", lambda *a: checks.append(1) or real(*a))
+    q, k, v = (t.detach() for t in qkv(64, seed=13))
+    bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    first = flex_attention(q, k, v, block_mask=bm)
+    second = flex_attention(q, k, v, block_mask=bm)
+    assert len(checks) == 1 and torch.equal(first, second)
+
+    def nothing_before_16(b, h, q_idx, kv_idx):  # keeps a subset of each block's causal positions
+        return (q_idx >= kv_idx) & (kv_idx >= 16)
+
+    bm.mask_mod = nothing_before_16
+    out = flex_attention(q, k, v, block_mask=bm)
+    assert len(checks) == 2
+    torch.testing.assert_close(out, flex_attention_reference(q, k, v, block_mask=bm).float(),
+                               rtol=1e-4, atol=1e-5)
