@@ -99,7 +99,7 @@ class CaseContext:
         return self._cached("flex_block_mask", build)
 
     def density(self) -> float:
-        """Fraction of BLOCK_SIZE blocks computed (FLOP convention of ANCHORS.md), from flexcore's
+        """Fraction of BLOCK_SIZE blocks computed (FLOP convention of docs/benchmark-method.md), from flexcore's
         BlockMask, or torch's when flexcore cannot build one (so that other providers still get
         their TFLOP/s)."""
         if self.mods.mask_mod is None:

@@ -1,4 +1,4 @@
-"""Work counted for throughput: FLOPs of attention and bytes read by decoding (ANCHORS.md convention)."""
+"""Work counted for throughput: FLOPs of attention and bytes read by decoding (docs/benchmark-method.md#what-is-counted)."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +9,7 @@ PASS_FACTORS = {"fwd": 1.0, "fwd_bwd": 3.5, "decode": 1.0}
 
 def attention_flops(B: int, H: int, Q_LEN: int, KV_LEN: int, D: int, Dv: int, density: float,
                     pass_: str) -> float:
-    """Useful floating-point operations of one attention call, as counted in ANCHORS.md.
+    """Useful floating-point operations of one attention call, as counted in docs/benchmark-method.md.
 
     Forward is ``2·B·H·Q_LEN·KV_LEN·(D + Dv)·density`` (one multiply-add per element of Q·Kᵀ and
     of P·V), which is ``4·B·H·S²·D·density`` when Q_LEN = KV_LEN = S and Dv = D. Forward+backward
@@ -45,7 +45,7 @@ def decode_bytes(B: int, KV_HEADS: int, KV_LEN: int, D: int, Dv: int, itemsize: 
     """Bytes a decoding step must read: K and V once, ``B·KV_HEADS·KV_LEN·(D + Dv)·itemsize·density``.
 
     ``density`` (fraction of computed KV blocks) makes a sliding window count only the blocks it
-    reads; it is 1 for no mask, which is the ANCHORS.md decode convention. Queries and outputs are
+    reads; it is 1 for no mask, which is the decode convention of docs/benchmark-method.md. Queries and outputs are
     negligible at query length 1 and not counted.
     """
     return float(B) * KV_HEADS * KV_LEN * (D + Dv) * itemsize * density

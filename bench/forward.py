@@ -1,4 +1,4 @@
-"""Forward-pass benchmark on the ANCHORS.md grid: flexcore against torch flex (compiled, Triton) and SDPA.
+"""Forward-pass benchmark on the anchors grid: flexcore against torch flex (compiled, Triton) and SDPA.
 
 A thin entry over the runner: the ``anchors`` preset restricted to the forward pass (and decoding,
 with ``--decode``), providers flexlab, torch_flex, sdpa_flash and sdpa_cudnn. Writes results.json /

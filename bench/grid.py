@@ -94,7 +94,7 @@ class Case:
 
 @dataclass
 class Settings:
-    """How cases are measured (see bench/NOTES.md for the trade-offs). :meth:`validate` checks
+    """How cases are measured (see docs/decisions.md for the trade-offs). :meth:`validate` checks
     every field's type and range."""
 
     warmup_ms: float = 25.0  #: GPU warm-up time before timing, per provider and case
@@ -112,7 +112,7 @@ class Settings:
     #: short enough that eager timing measures the host's launch work as much as the GPU's.
     cuda_graphs: str = "decode"
     #: on the GPU, time with the process's threads on one core (bench.timing.pinned_host): the host's
-    #: time per call halves and spreads less (bench/NOTES.md entry 52)
+    #: time per call halves and spreads less (docs/decisions.md#host-pinning)
     pin_host: bool = True
     #: torch.compile backend of the flexlab_compiled provider and of train-step blocks; inductor
     #: is what training runs use, aot_eager traces the same graphs without code generation
@@ -285,7 +285,7 @@ SMALL_PROVIDERS = ["flexlab", "flexlab_compiled", "torch_flex"]
 
 
 PRESETS: dict[str, dict] = {
-    # The ANCHORS.md grid (bf16, D=128, H=16, 16k tokens per batch) and its decode rows.
+    # The anchors grid (docs/benchmark-method.md) (bf16, D=128, H=16, 16k tokens per batch) and its decode rows.
     "anchors": _anchors([128]),
     # The same with D=64 as well (about twice as long).
     "anchors-d64": _anchors([64]),
@@ -334,7 +334,7 @@ PRESETS: dict[str, dict] = {
     },
 }
 PRESET_HELP = {
-    "anchors": "ANCHORS.md grid: 7 variants × (B=4,S=4096),(B=1,S=16384), H=16, D=128, bf16, "
+    "anchors": "the anchors grid: 7 variants × (B=4,S=4096),(B=1,S=16384), H=16, D=128, bf16, "
                "fwd and fwd_bwd, plus decode (B=8, Hq=32, Hkv=8, KV 8192/65536)",
     "anchors-d64": "the anchors grid at head dim 64",
     "decode": "the decode rows of the anchors grid: query length 1, B=8, Hq=32, Hkv=8, D=128, KV "

@@ -506,7 +506,7 @@ def _build_report(sources: list[Source], out_dir: Path, baseline: str | None) ->
 
     title = "flexlab benchmark: " + " vs ".join(s.label for s in sources)
     md = [f"# {title}", "",
-          "Cells: TFLOP/s (median ms); FLOPs as in ANCHORS.md (bench.flops.attention_flops); "
+          "Cells: TFLOP/s (median ms); FLOPs as in docs/benchmark-method.md (bench.flops.attention_flops); "
           "train steps: thousands of tokens/s (median ms). "
           "✗ marks a correctness failure.", "", markdown_table(s_header, s_rows), "",
           "## Errors against float64", "", markdown_table(e_header, e_rows), ""]

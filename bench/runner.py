@@ -43,7 +43,7 @@ class Row:
         run_id: id of the run segment that measured it (env.json has its environment).
         case_id: :attr:`bench.grid.Case.case_id`.
         variant ... pass_: the case's fields (``pass_`` is ``fwd``, ``fwd_bwd`` or ``decode``).
-        density: fraction of BLOCK_SIZE blocks computed (the FLOP convention of ANCHORS.md).
+        density: fraction of BLOCK_SIZE blocks computed (the FLOP convention of docs/benchmark-method.md).
         provider: provider name, or ``baseline`` for the same-dtype reference errors.
         metric: see ``METRICS``.
         value: the number (None for status rows).

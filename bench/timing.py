@@ -60,7 +60,7 @@ def pinned_host(enabled: bool = True):
     other) runs on one core: the one the caller is on. Yields that core, or None where pinning is
     off or not possible (no sched_setaffinity, no /proc). The threads' own sets come back after.
 
-    Why (bench/NOTES.md entry 52): on the GPU machines a forward+backward call's host time per
+    Why (docs/decisions.md#host-pinning): on the GPU machines a forward+backward call's host time per
     call halves when its threads share one core (caches and clocks stay warm; the autograd
     engine's hand-offs between the caller and its device thread do not cross cores), and it
     spreads less; rows whose host time meets their GPU time otherwise move by up to 40% from

@@ -82,20 +82,20 @@ def q_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, 2-byte dtypes. dK/dV programs own
 # BLOCK_N keys and step over BLOCK_M queries; dQ programs own BLOCK_M queries and step over BLOCK_N
 # keys. One launch for both kinds uses both tiles, the common num_warps and the smaller num_stages.
-# Measured on an H200 (bf16, D=128, bench/NOTES.md entries 16 and 18): one launch (2 stages) gives
+# Measured on an H200 (bf16, D=128, docs/decisions.md#backward-launch-layout): one launch (2 stages) gives
 # 370-400 TFLOP/s for the backward alone on noop and causal masks; at D=64 two launches are faster
 # (4 warps: one launch measured 2-5% slower).
 # A mod with many live values can exceed shared memory: see flexcore.kernels.launch.
 _DKDV_CONFIGS = {64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 1)}
 _DQ_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (64, 32, 4, 1)}
 # dQ tiles where the score_mod is not the identity, or the mask has no partial block (dense path):
-# 64 keys per step, so one launch keeps 3 stages. Measured on an H200 (bench/NOTES.md entry 34,
+# 64 keys per step, so one launch keeps 3 stages. Measured on an H200 (docs/decisions.md#backward-tiles,
 # backward alone, 4k / 16k): softcap + causal +12% / +7%, softcap without a mask +5% / +6%, noop +4% /
 # +1%, ALiBi + causal +1%; with the identity score_mod and a partial mask (causal, prefix, sliding
 # window, document) 1-4% slower, so those keep _DQ_CONFIGS.
 _DQ_CONFIGS_SCORE_OR_DENSE = {128: (128, 64, 8, 3)}
 # Tiles over 64x64 mask blocks (the finer tables of flexcore.kernels.forward.REFINE, or a mask built
-# with BLOCK_SIZE=64): 4 warps. Measured on an H200 (bench/NOTES.md entry 48, document masks and
+# with BLOCK_SIZE=64): 4 warps. Measured on an H200 (docs/decisions.md#finer-tables, document masks and
 # sliding windows, forward+backward): 8 warps on 64x64 tiles ran 1.4-1.8x slower; 3 stages for
 # dK/dV and 2 for dQ within 1-5% of the best pairing everywhere.
 _FINE_DKDV_CONFIGS = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}
@@ -105,12 +105,11 @@ _FUSED_HEAD_DIMS = frozenset({128})
 
 # Tensor descriptors (TMA) for the tiles read in the inner loops (Q and dO for dK/dV, K and V for
 # dQ), where use_tma allows them. Off by default: measured within 1-5% either way of pointer loads
-# in the backward, slower as often as faster (bench/NOTES.md entry 18).
+# in the backward, slower as often as faster (docs/decisions.md#backward-launch-layout).
 # None decides by the GPU and the layout; True forces them (tests).
 TMA: bool | None = False
 # Full blocks that form one run per row (BlockTensors.full_runs) are stepped over from the first
-# index, without reading one index per tile, as in the forward. Measured on an H200 (bench/NOTES.md
-# entry 27): +3-9% forward+backward at head dim 64; at 128 +3% with a score_mod that reads the
+# index, without reading one index per tile, as in the forward. Measured on an H200 (docs/decisions.md#table-paths): +3-9% forward+backward at head dim 64; at 128 +3% with a score_mod that reads the
 # positions (ALiBi) and -2% to +0.4% without one, so there only with a score_mod. False reads the
 # tables on every path (benchmarks, tests).
 FULL_RUNS = True
@@ -123,7 +122,7 @@ FULL_RUNS_MAX_HEAD_DIM = 64  # larger head dims take the run path only with a sc
 P_FROM_LSE = True
 
 # Dense path: masks whose blocks are all full (no mask, noop_mask) skip the partial loops and the
-# tables, and both kinds of program step over every tile. Measured on an H200 (bench/NOTES.md entry
+# tables, and both kinds of program step over every tile. Measured on an H200 (docs/decisions.md entry
 # 31): at head dim 128 +1-3% on forward+backward without a score_mod, but 1-3% slower than the run
 # path with one unless warp-specialized (below); at 64 no faster than the run path. So by default
 # only at DENSE_HEAD_DIMS, and with a score_mod only warp-specialized. True forces it for every
@@ -131,7 +130,7 @@ P_FROM_LSE = True
 DENSE: bool | None = None
 DENSE_HEAD_DIMS = frozenset({128})
 # Warp-specialized dense loops (triton's `tl.range(..., warp_specialize=True)`), reading every tile
-# and row through descriptors over all rows of each tensor (entry 31): +3-5% forward+backward at head
+# and row through descriptors over all rows of each tensor (docs/decisions.md#dense-warp-specialization): +3-5% forward+backward at head
 # dim 128 with a score_mod (ALiBi, softcap without a mask), none without one, and 1.5-3x slower at
 # head dim 64. They need 16-bit inputs (lse2), no GQA, sequences that divide the tiles, K/V/Q/dO
 # layouts that descriptors over all rows can read, no captured tensors (as in the forward) and, on
@@ -147,7 +146,7 @@ WARP_SPEC_KINDS = frozenset({"dkdv", "dq"})
 # rowsum(dO * O). The stored output O carries the forward's 16-bit probabilities and its own
 # rounding, so each row's dS = P * (dP - delta) sums to that error instead of zero; a mod derivative
 # that is one-signed along the row (an ALiBi slope's |i - j|) adds those errors up. Measured in bf16
-# (bench/NOTES.md entry 37): a learnable ALiBi slope's gradient 7% off float64 without the pass,
+# (docs/decisions.md#exact-delta): a learnable ALiBi slope's gradient 7% off float64 without the pass,
 # torch's eager bf16 0.2%. dq, dk and dv gain too, at the cost of the pass. False: never (benchmarks).
 EXACT_DELTA = True
 
@@ -165,7 +164,7 @@ def _tune_layout(key, run_fused, run_split, grad_buffers) -> bool:
     """Time one launch against two for this kernel and size bucket, remember the faster, and leave
     the gradients to the caller's next run. One launch is usually faster (a single tail, both kinds
     of program on the GPU at once), but a score_mod with a long derivative chain can lose more to the
-    shared num_stages than it gains (softcap, bench/NOTES.md entry 18). Inside a CUDA graph capture
+    shared num_stages than it gains (softcap, docs/decisions.md#backward-launch-layout). Inside a CUDA graph capture
     nothing is timed: one launch, and tuning at the next call outside a capture."""
     if capturing():
         return True
@@ -277,8 +276,7 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
                         score_bwd_lowered.grad_of, opts.deterministic, grad_lse)
     owners = (kv_blocks, q_blocks)
     # The finer tables where the forward's rule takes them (flexcore.kernels.forward.REFINE), here
-    # also where the Gluon backward would serve the mask's own: measured on an H200 (bench/NOTES.md
-    # entry 48), the template over them beats it on document masks at 16k (+4.5%) and ties it on
+    # also where the Gluon backward would serve the mask's own: measured on an H200 (docs/decisions.md#finer-tables), the template over them beats it on document masks at 16k (+4.5%) and ties it on
     # sliding windows (-0.5%), where the Gluon forward wins by 14%. Forced (HOPPER_BACKWARD True),
     # the Gluon backward reads the mask's own tables.
     fine = finer_tables(kv_blocks, q.shape[2], mask_lowered, opts, lambda: hopper.HOPPER_BACKWARD is True)
@@ -536,7 +534,7 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     kn, ki = kv_blocks.full_tables()
     gqa = Hq // Hkv
     # On the GPU only with 8-warp tiles for both kinds: at 4 warps triton 3.6 partitions the loops
-    # and a forced run at head dim 64 gave NaN gradients once in two GPU test runs (entry 31).
+    # and a forced run at head dim 64 gave NaN gradients once in two GPU test runs (docs/decisions.md#backward-dense-path).
     eight_warps = use_interpreter() or meta1.get("num_warps") == meta2.get("num_warps") == 8
     ws_rows = _warp_spec_rows(
         q, k, v, grad_out, dense and ws_rule and eight_warps and p_from_lse and gqa == 1

@@ -258,7 +258,7 @@ def _check_tile(tile: int, block: int, name: str, what: str) -> int:
 
 
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim for 2-byte dtypes, best
-# first. Measured on an H200 with triton 3.6 (bench/NOTES.md): 4 warps and 2 stages win at D=128
+# first. Measured on an H200 with triton 3.6 (docs/decisions.md): 4 warps and 2 stages win at D=128
 # and D=64 (at D=64 128x128 tiles, 1-3% ahead of 3 stages).
 _GPU_CONFIGS = {
     64: [(128, 128, 4, 2), (128, 128, 4, 3), (64, 64, 4, 2)],
@@ -326,7 +326,7 @@ def ensure_tma_allocator() -> None:
 
 
 # K and V through descriptors made on the host over all their rows (kv_rows_descriptor) instead of
-# descriptors built by each program, at these padded head dims (bench/NOTES.md entry 33: at D=128
+# descriptors built by each program, at these padded head dims (docs/decisions.md#kv-descriptors: at D=128
 # short rows gain, document masks 4k +9%; at D=64 the 64x64 tiles that sliding windows pick lost
 # 7-8%, so D=64 keeps the per-program descriptors). None applies that rule; True/False force it
 # wherever the layout allows / never (tests, benchmarks).
@@ -376,13 +376,13 @@ def _fit_kv_hook(nargs: dict) -> None:  # triton.Config pre_hook: the autotuner'
 
 
 # The dense path's candidates (masks whose blocks are all full), as _GPU_CONFIGS. Measured on an
-# H200 (bench/NOTES.md entry 26): at D=64 three stages win on the dense loop.
+# H200 (docs/decisions.md#dense-warp-specialization): at D=64 three stages win on the dense loop.
 _DENSE_CONFIGS = {
     64: [(128, 128, 4, 3), (128, 128, 4, 2), (64, 64, 4, 2)],
     128: [(128, 64, 4, 2), (128, 128, 8, 2), (128, 64, 4, 3)],
 }
 # Warp-specialized candidates of the dense path (triton's `tl.range(..., warp_specialize=True)`),
-# tried by the autotuner beside _DENSE_CONFIGS where q_rows_descriptor allows (bench/NOTES.md entry
+# tried by the autotuner beside _DENSE_CONFIGS where q_rows_descriptor allows (docs/decisions.md entry
 # 30). WARP_SPEC: None autotunes them in on Hopper; True gives the dense path only these (also under
 # the interpreter, which runs the loop unspecialized: tests); False never.
 _DENSE_WS_CONFIGS = {128: [(128, 128, 4, 2)]}
@@ -402,7 +402,7 @@ def q_rows_descriptor(q: torch.Tensor, tma: bool) -> int:
 
 
 # Candidates over 64x64 mask blocks (the finer tables of REFINE, or a mask built with
-# BLOCK_SIZE=64), where only 64x64 tiles fit. Measured on an H200 (bench/NOTES.md entry 48): three
+# BLOCK_SIZE=64), where only 64x64 tiles fit. Measured on an H200 (docs/decisions.md#finer-tables): three
 # stages gain up to 6% on document masks, two up to 9% on sliding windows at D=64.
 _FINE_CONFIGS = {64: [(64, 64, 4, 2), (64, 64, 4, 3)], 128: [(64, 64, 4, 3), (64, 64, 4, 2)]}
 
@@ -472,8 +472,7 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
 # Launch order of the forward's tiles. None launches them in their natural order (query tiles of
 # each batch and head in turn); an integer G launches BlockTensors.schedule(rows, G): longest
 # first within groups of G mask rows (all of them if G <= 0), for masks whose rows differ in length
-# and visit at least SCHEDULE_MIN_BLOCKS blocks on average. Measured on an H200 (bench/NOTES.md
-# entry 20): G=256 gains 3-7% on causal, prefix LM and softcap masks; on short rows (document
+# and visit at least SCHEDULE_MIN_BLOCKS blocks on average. Measured on an H200 (docs/decisions.md#launch-order): G=256 gains 3-7% on causal, prefix LM and softcap masks; on short rows (document
 # masks at 4k, 4 blocks per row) every longest-first order lost 6-11%, so they keep the natural one.
 SCHEDULE_GROUP: int | None = 256
 SCHEDULE_MIN_BLOCKS = 8.0
@@ -486,7 +485,7 @@ SCHEDULE_MIN_BLOCKS = 8.0
 # tiles of that size: it skips the empty sub-blocks and runs the mask_mod on the partial ones only.
 # Taken where the finer tables' cost (BlockTensors.row_cost, in units of the finer blocks) is at
 # most REFINE_MAX_COST of the mask's own, and the Gluon masked kernel does not serve the call.
-# Measured on an H200 (bench/NOTES.md entry 48). REFINE: None by that rule; True wherever the
+# Measured on an H200 (docs/decisions.md#finer-tables). REFINE: None by that rule; True wherever the
 # tables divide (tests, benchmarks); False never.
 REFINE: bool | None = None
 REFINE_BLOCK = 64
@@ -537,9 +536,9 @@ def refine_key(mask_lowered) -> tuple:
 # The Gluon masked kernel keeps the mask's own tables unless their rows are skewed: the longest row
 # costs more than REFINE_SKEW times the mean (documents of very different lengths). There the
 # template over the finer tables, launched longest first (SCHEDULE_GROUP), beat it on an H200
-# (bench/NOTES.md entry 48: document masks at 16k, +9%), while on rows alike (sliding windows) the
+# (docs/decisions.md#finer-tables: document masks at 16k, +9%), while on rows alike (sliding windows) the
 # Gluon kernel won by 14%. At head dim 64 the finer tables come first wherever they are taken
-# (hopper.UNION_YIELDS: the three-warpgroup kernel measured behind them on sliding windows, entry 51).
+# (hopper.UNION_YIELDS: the three-warpgroup kernel measured behind them on sliding windows, docs/decisions.md#gluon-union-lists).
 REFINE_SKEW = 2.0
 
 
@@ -695,7 +694,7 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
     tma = use_tma((k, v), head_dim_pad == D and head_dim_v_pad == Dv, TMA)
     runs = FULL_RUNS and not dense and blocks.full_runs(q_rows)
     # Warp specialization only without captured tensors: a score_mod that loads from one inside
-    # the loop (a relative-position table) gives wrong results under it (bench/NOTES.md entry 30).
+    # the loop (a relative-position table) gives wrong results under it (docs/decisions.md#dense-warp-specialization).
     q_desc_rows = (q_rows_descriptor(q, tma) if dense and WARP_SPEC is not False
                    and not score_lowered.captured else 0)
     even_kv = S % sparse_kv == 0  # tiles divide the mask blocks: no tile passes KV_LEN

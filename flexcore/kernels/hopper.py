@@ -5,7 +5,7 @@ on an sm_90 GPU, at head dim 64 or 128: with its DENSE constexpr set, a mask who
 full (no mask, ``noop_mask``; DENSE_TILES); filled with the lowered mask_mod, any other mask over
 128x128 blocks whose rows average MASKED_MIN_MEAN_BLOCKS key blocks or more (MASKED_TILES).
 It runs FlashAttention-3's schedule, which triton 3.6 does not produce from ``tl`` code
-(bench/NOTES.md entries 10, 14, 30, 40, 41 and 49):
+(docs/decisions.md#gluon-scope and docs/decisions.md#dense-warp-specialization and docs/decisions.md#gluon-dense-forward and docs/decisions.md#gluon-masked-forward and docs/decisions.md#gluon-three-warpgroups):
 
 - one loader warp brings K and V tiles (128 keys) by TMA into three slots each, with a "ready"
   and an "empty" mbarrier per slot;
@@ -18,7 +18,7 @@ It runs FlashAttention-3's schedule, which triton 3.6 does not produce from ``tl
 Under a mask, a program walks the blocks the mask lists for its 128-row block, partial ones first
 (the mask_mod applied) and then full ones. A 192-row program of three warpgroups spans two mask
 blocks: it walks the union of their lists (:func:`union_tables`), and each warpgroup computes the
-run of it that its own block lists (bench/NOTES.md entry 51). Everything else (score_mods, other
+run of it that its own block lists (docs/decisions.md#gluon-union-lists). Everything else (score_mods, other
 head dims and dtypes, other GPUs, the interpreter, masks with short rows, mask_mods whose Gluon
 source does not build) takes the Triton template (flexcore.kernels.forward), and so does a call
 whose layout the descriptors cannot express.
@@ -30,7 +30,7 @@ The backward (the template `backward_hopper.py.tmpl`, after the Triton preproces
 flexcore.kernels.backward) serves the same calls, with masks whose rows, and their transpose's,
 average BACKWARD_MIN_MEAN_BLOCKS blocks or more: a dK/dV kernel (128 keys per program, 64-query tiles
 of Q and dO streamed) and a dQ kernel (128 queries per program, 64-key tiles of K and V streamed),
-each with one loader warp and two compute warpgroups (flexcore/README.md, bench/NOTES.md entry 42).
+each with one loader warp and two compute warpgroups (flexcore/README.md, docs/decisions.md#gluon-backward).
 """
 from __future__ import annotations
 
@@ -51,11 +51,11 @@ HOPPER_DENSE: bool | None = None
 HOPPER_MASKED: bool | None = None
 # Below this many key blocks per mask row on average the Triton template serves the mask: each
 # program of the Gluon kernel sets up barriers, partitions and registers, which rows of a few
-# blocks feel (document masks at 4k: 0.93x torch flex against the template's 1.12x; NOTES entry 41).
+# blocks feel (document masks at 4k: 0.93x torch flex against the template's 1.12x; docs/decisions.md#gluon-masked-forward).
 MASKED_MIN_MEAN_BLOCKS = 8.0
 # At head dim 64 the masked kernel yields to the Triton template over finer tables where
 # flexcore.kernels.forward.REFINE takes those (sliding windows, documents); False keeps the mask's
-# own tables for it there too, as at head dim 128 where rows are not skewed (bench/NOTES.md entry 51).
+# own tables for it there too, as at head dim 128 where rows are not skewed (docs/decisions.md#gluon-union-lists).
 UNION_YIELDS = True
 # Where the two mask blocks of a 192-row program list different key blocks, the warpgroups of one
 # wait while the others compute the blocks only theirs lists (the loader walks one list): masks whose
@@ -64,7 +64,7 @@ UNION_YIELDS = True
 UNION_MAX_EXCLUSIVE = 0.15
 # MASKED_MIN_MEAN_BLOCKS of the three-warpgroup kernel: at head dim 64 a tile is half the work of one
 # at 128 and a program holds 192 rows, so its setup weighs more on short rows (document masks at 16k,
-# 8.5 blocks a row: 0.64x the template; bench/NOTES.md entry 51).
+# 8.5 blocks a row: 0.64x the template; docs/decisions.md#gluon-union-lists).
 UNION_MIN_MEAN_BLOCKS = 12.0
 HEAD_DIMS = frozenset({128})  # the backward
 BLOCK_M = 128  # query rows per program of the masked forward: two warpgroups of 64
@@ -86,8 +86,7 @@ class GluonTiles(NamedTuple):
 
 # Per head dim, dense and masked alike: at 128 two warpgroups (one 128-row mask block per program);
 # at 64 FlashAttention-3's 192-row tile, three compute warpgroups (16 warps x 32 x 128 at launch; the
-# compute warpgroups then run at 168, 160 and 160 registers, the loader's at 24; bench/NOTES.md
-# entries 49 and 51), whose programs span two mask blocks under a mask (union_tables).
+# compute warpgroups then run at 168, 160 and 160 registers, the loader's at 24; docs/decisions.md#gluon-three-warpgroups and docs/decisions.md#gluon-union-lists), whose programs span two mask blocks under a mask (union_tables).
 DENSE_TILES = {128: GluonTiles(2, NUM_STAGES, WG_REGS, MAX_REGS), 64: GluonTiles(3, 4, 160, 128)}
 MASKED_TILES = dict(DENSE_TILES)
 _LOG2E = 1.4426950408889634
@@ -402,7 +401,7 @@ HOPPER_BACKWARD: bool | None = None
 # Below this many key (query) blocks per row of the mask (of its transpose) on average, the Triton
 # template serves a masked backward: document masks, whose rows visit 2-8 blocks, ran no faster on
 # the GPU under the Gluon kernels and paid more host time per call for their descriptors
-# (bench/NOTES.md entry 42). True for HOPPER_BACKWARD also ignores it.
+# (docs/decisions.md#gluon-backward). True for HOPPER_BACKWARD also ignores it.
 BACKWARD_MIN_MEAN_BLOCKS = 8.0
 BWD_TILE = 64  # rows per compute warpgroup, and rows per streamed tile (queries for dK/dV, keys for dQ)
 BWD_DKDV_STAGES = 2  # Q and dO slots: 2 x 2 x 16 KB beside K and V's 64 KB

@@ -4,7 +4,7 @@ autotuned candidates compiled concurrently.
 Direct launches. ``kernel[grid](*args)`` goes through triton's ``JITFunction.run``, which binds and
 specialises every argument again at each call: 70-80 µs of host time for the forward's and the
 backward's 50-80 arguments on the GPU machine, against 15-18 µs for the compiled kernel's own
-launcher (bench/NOTES.md entry 22). :func:`run` keeps, per kernel, constexprs and
+launcher (docs/decisions.md#direct-launch). :func:`run` keeps, per kernel, constexprs and
 :func:`arg_key` of the arguments, the compiled kernel that triton chose, and launches it directly
 the next time, through the same launcher that triton calls.
 
@@ -336,7 +336,7 @@ class Tuned:
     def _compile_configs(self, grid, args: tuple, kwargs: dict) -> None:
         """Compile every configuration the autotuner is about to time, concurrently (triton's
         compiler releases the GIL), so that a new mod's first call waits for the slowest compile
-        rather than for their sum (bench/NOTES.md, "First result of a new mod"). The autotuner
+        rather than for their sum (docs/decisions.md#concurrent-compile). The autotuner
         then finds them in the kernel's cache. A configuration that fails to compile here is left
         to the autotuner, which reports or skips it as it would have."""
         configs = self.tuner.configs
@@ -403,7 +403,7 @@ def _compile_pool(count: int):
 # autotuner's and the layout tuner's choices, grids, the integer arguments, the compiled kernels.
 # flexcore.kernels.forward and .backward keep them as a plan under a key of everything those
 # decisions read (launch_env included), so that a repeated call allocates its outputs, puts its
-# tensors in the argument tuple and calls the compiled launchers (bench/NOTES.md entry 36).
+# tensors in the argument tuple and calls the compiled launchers (docs/decisions.md#per-call-plans).
 # Plans are made from what ``recording`` saw launched directly, outside CUDA graph captures.
 # False makes every call decide again (benchmarks, debugging).
 PLANS = True

@@ -1,4 +1,4 @@
-"""FLOP and byte counting against hand-computed numbers (ANCHORS.md convention)."""
+"""FLOP and byte counting against hand-computed numbers (docs/benchmark-method.md#what-is-counted)."""
 from __future__ import annotations
 
 import pytest

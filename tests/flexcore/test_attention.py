@@ -447,7 +447,7 @@ def _ws_spy(monkeypatch) -> list:
 @pytest.mark.parametrize("mod_name,layout", [("noop", "contiguous"), ("softcap", "contiguous"),
                                              ("relative_table", "contiguous"), ("noop", "strided"),
                                              ("noop", "heads_inner")])
-# relative_table reads a captured tensor inside the loop: never warp-specialized (NOTES entry 30).
+# relative_table reads a captured tensor inside the loop: never warp-specialized (docs/decisions.md#dense-warp-specialization).
 def test_warp_specialized_dense_path_reads_q_rows(monkeypatch, mod_name, layout):
     """The warp-specialized dense loop reads Q through one descriptor over all its rows (under the
     interpreter the loop itself runs unspecialized). At L=150, tiles of the last query rows of a

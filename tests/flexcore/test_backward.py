@@ -188,7 +188,7 @@ def test_learnable_slope_bf16(seed):
     # A learnable ALiBi slope in bf16. Its gradient sums dS * |i - j| along each row, so an error
     # in a row's delta adds up instead of cancelling; the delta pass (EXACT_DELTA) takes delta from
     # the backward's own P and dP. Without it these draws are off by about 1e-2 against torch's
-    # 1e-3 (bench/NOTES.md entry 37).
+    # 1e-3 (docs/decisions.md#exact-delta).
     check_backward(_SLOPE, "causal", torch.bfloat16, seed=seed, learnable="alibi_slope")
 
 
@@ -637,7 +637,7 @@ def test_dense_and_warp_specialized_backward(monkeypatch, shape, mod_name, dense
     (128, "noop", True), (128, "softcap", False), (64, "noop", False), (128, "causal", False)])
 def test_dense_backward_by_default(monkeypatch, head_dim, mod_name, dense):
     """The default rule: the dense loops at head dim 128 without a score_mod; with one only
-    warp-specialized, which needs a GPU (so never here); never at 64 (entry 31 of bench/NOTES.md)."""
+    warp-specialized, which needs a GPU (so never here); never at 64 (docs/decisions.md#backward-dense-path)."""
     seen = _bwd_path_spy(monkeypatch)
     shape = Shape("dense_default", B=1, Hq=2, Hkv=2, L=64, S=96, D=head_dim, Dv=head_dim, block=32)
     check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("bwd_dense", mod_name, head_dim))
@@ -648,7 +648,7 @@ def test_dense_backward_by_default(monkeypatch, head_dim, mod_name, dense):
     (128, "noop", True), (128, "causal", False), (128, "softcap", True), (128, "alibi", True),
     (128, "document", False), (64, "noop", False), (64, "softcap", True)])
 def test_dq_tiles_follow_the_score_mod_and_the_mask(monkeypatch, head_dim, mod_name, score_or_dense):
-    """The backward asks for the dQ tiles of a score_mod or a dense mask (entry 34 of bench/NOTES.md)
+    """The backward asks for the dQ tiles of a score_mod or a dense mask (docs/decisions.md#backward-tiles)
     exactly when the score_mod is not the identity or the dense loops run; gradients against float64."""
     from flexcore.kernels import backward as bwd
 
@@ -890,7 +890,7 @@ def test_warp_specialized_backward_repeats_bit_identically_gpu(monkeypatch, mod_
                                                  ("alibi", 64)])
 def test_dq_tiles_by_mod_gpu(monkeypatch, fused, mod_name, dq_block_n):
     """At head dim 128 the dQ programs step over 64 keys with a score_mod or a dense mask and over
-    128 with a partial mask alone (entry 34 of bench/NOTES.md), in either launch layout; gradients
+    128 with a partial mask alone (docs/decisions.md#backward-tiles), in either launch layout; gradients
     against float64."""
     _template_backward(monkeypatch)
     from flexcore.kernels import backward as bwd

@@ -315,7 +315,7 @@ def test_decode_gpu(shape, mod_name):
 
 
 # Decoding speed is measured by the benchmark, side by side with SDPA and torch flex in one run:
-# `python -m bench run --config decode` (bench/NOTES.md), not by timed tests.
+# `python -m bench run --config decode` (docs/decisions.md), not by timed tests.
 
 
 @pytest.mark.gpu

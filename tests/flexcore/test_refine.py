@@ -262,7 +262,7 @@ def test_backward_over_finer_tables_matches_reference(monkeypatch, mod_name, lea
 
 
 def test_backward_configurations_over_64_blocks(monkeypatch):
-    # The GPU's tiles over 64x64 blocks: 4 warps for both kinds of program (entry 48).
+    # The GPU's tiles over 64x64 blocks: 4 warps for both kinds of program (docs/decisions.md#finer-tables).
     from flexcore.kernels import backward as bwd
     from flexcore.options import KernelOptions
 

@@ -113,7 +113,7 @@ def test_gradients_match_float64_reference(name, setting):
     # Relative Frobenius error, as the backward's own tests. A captured tensor's gradient sums
     # score' * dS over every position, and the fused backward's dS = P * (dP - delta) takes
     # delta = rowsum(dO * O) from the forward's rounded output (as FlashAttention does), so its
-    # float32 error reaches ~3x eager autograd's; those get a factor of 4 (bench/NOTES.md).
+    # float32 error reaches ~3x eager autograd's; those get a factor of 4 (docs/decisions.md).
     # A 0.05% error in any gradient still fails.
     for grad_name in ours:
         factor = 4.0 if grad_name not in ("dq", "dk", "dv") else 2.0
