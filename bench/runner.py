@@ -389,10 +389,7 @@ class CaseRunner:
         if eager is not None:
             self.row(name, "time_ms_eager", eager.median_ms, "ms",
                      note=f"{eager.method}: launched from Python at every call (host time included)")
-        self.row(name, "time_ms", timing.median_ms, "ms", note=tnote)
-        self.row(name, "time_ms_p20", timing.p20_ms, "ms", note=tnote)
-        self.row(name, "time_ms_p80", timing.p80_ms, "ms", note=tnote)
-        self.row(name, "reps", timing.reps, "count", note=tnote)
+        self.timing_rows(name, timing, tnote)
         seconds = timing.median_ms * 1e-3
         if seconds > 0:
             self.row(name, "tflops", ctx.flops() / seconds / 1e12, "TFLOP/s",
@@ -409,6 +406,13 @@ class CaseRunner:
             return True
         except Exception:
             return False
+
+    def timing_rows(self, name: str, timing, note: str) -> None:
+        """The rows of one timing: median, p20, p80 (ms) and the repetitions."""
+        self.row(name, "time_ms", timing.median_ms, "ms", note=note)
+        self.row(name, "time_ms_p20", timing.p20_ms, "ms", note=note)
+        self.row(name, "time_ms_p80", timing.p80_ms, "ms", note=note)
+        self.row(name, "reps", timing.reps, "count", note=note)
 
     def _error(self, name: str, stage: str, exc: BaseException):
         note = f"{stage}: {_error_text(exc)}"

@@ -290,10 +290,7 @@ class TrainStepRunner(CaseRunner):
             return
         pinned = "" if timing.pinned_core is None else f", host threads on core {timing.pinned_core}"
         tnote = f"{timing.method}, {len(inputs)} rotated input set(s){pinned}"
-        self.row(name, "time_ms", timing.median_ms, "ms", note=tnote)
-        self.row(name, "time_ms_p20", timing.p20_ms, "ms", note=tnote)
-        self.row(name, "time_ms_p80", timing.p80_ms, "ms", note=tnote)
-        self.row(name, "reps", timing.reps, "count", note=tnote)
+        self.timing_rows(name, timing, tnote)
         seconds = timing.median_ms * 1e-3
         if seconds > 0:
             self.row(name, "tokens_per_s", c.batch * c.q_len / seconds, "tokens/s",

@@ -50,25 +50,23 @@ def _products(a: Interval, b: Interval) -> Interval:
     return Interval(min(cands), max(cands))
 
 
-def _floor_div(a: Interval, b: Interval) -> Interval:
+def _rounded_quotients(a: Interval, b: Interval, rounding) -> list | None:
+    """``rounding(x / y)`` at the corners of a / b (infinities kept), or None where b holds 0."""
     if b.lo <= 0 <= b.hi:
-        return TOP
-    cands = []
-    for x in (a.lo, a.hi):
-        for y in (b.lo, b.hi):
-            q = x / y
-            cands.append(q if math.isinf(q) else math.floor(q))
-    return Interval(min(cands), max(cands))
+        return None
+    quotients = [x / y for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
+    return [q if math.isinf(q) else float(rounding(q)) for q in quotients]
+
+
+def _floor_div(a: Interval, b: Interval) -> Interval:
+    cands = _rounded_quotients(a, b, math.floor)
+    return TOP if cands is None else Interval(min(cands), max(cands))
 
 
 def _trunc_div(a: Interval, b: Interval) -> Interval:
-    if b.lo <= 0 <= b.hi:
+    cands = _rounded_quotients(a, b, math.trunc)
+    if cands is None:
         return TOP
-    cands = []
-    for x in (a.lo, a.hi):
-        for y in (b.lo, b.hi):
-            q = x / y
-            cands.append(q if math.isinf(q) else float(math.trunc(q)))
     return Interval(min(min(cands), 0) if a.lo < 0 < a.hi else min(cands),
                     max(max(cands), 0) if a.lo < 0 < a.hi else max(cands))
 
