@@ -12,6 +12,9 @@ from __future__ import annotations
 import importlib
 
 from flexcore._types import MaskMod, ScoreMod
+# Imported here, not lazily: the submodule shares the function's name, and the package attribute
+# must be the function.
+from flexcore.explain import explain
 from flexcore.masks import and_masks, noop_mask, or_masks
 
 _LAZY = {
@@ -29,15 +32,19 @@ _LAZY = {
     "create_nested_block_mask": "flexcore.nested",
     "nested_flex_attention": "flexcore.nested",
     "coerce_block_mask": "flexcore.interop",
+    "DispatchPolicy": "flexcore.kernels.policy",
 }
 
 __all__ = ["flex_attention", "AuxRequest", "AuxOutput", "create_block_mask", "create_mask",
            "BlockMask", "and_masks", "or_masks", "noop_mask", "KernelOptions", "FlexKernelOptions", "ScoreMod",
            "MaskMod", "PagedAttention", "offset_mask_mod", "offset_score_mod",
-           "create_nested_block_mask", "nested_flex_attention", "coerce_block_mask"]
+           "create_nested_block_mask", "nested_flex_attention", "coerce_block_mask", "explain",
+           "DispatchPolicy", "distributed"]
 
 
 def __getattr__(name: str):
+    if name == "distributed":  # torch.distributed is imported only by those who use it
+        return importlib.import_module("flexcore.distributed")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'flexcore' has no attribute {name!r}")

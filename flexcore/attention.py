@@ -128,7 +128,7 @@ def _mask_views(block_mask, B, Hq, kind, build, stamp=None):
 
 def _kv_blocks(block_mask, B, Hq):
     """The BlockMask's key-block tables viewed as (B, Hq, ...) (the views share its storage)."""
-    from flexcore.kernels.forward import BlockTensors
+    from flexcore.kernels.tables import BlockTensors
 
     def build():
         try:
@@ -158,7 +158,7 @@ def _refine_kv(mask_ref, B, Hq, captured, compute: bool):
     block_mask = mask_ref()
     if block_mask is None:
         return None
-    from flexcore.kernels.forward import versions
+    from flexcore.kernels.tables import versions
 
     stamp = versions(captured)
     hit = _views_cache.get((id(block_mask), B, Hq, "kv_fine"))
@@ -170,31 +170,16 @@ def _refine_kv(mask_ref, B, Hq, captured, compute: bool):
 
 
 def _finer_tables(block_mask, B, Hq):
-    from flexcore.blockmask import BlockMask, refine_block_map
-    from flexcore.kernels.backward import q_block_tensors
-    from flexcore.kernels.forward import REFINE_BLOCK, BlockTensors
+    from flexcore.kernels.tables import refine_tables
 
-    size = (REFINE_BLOCK, REFINE_BLOCK)
-    fine = refine_block_map(block_mask, size)
-    if fine is None:
-        return None
-    finer = BlockMask._from_block_map(fine, size, block_mask.seq_lengths, block_mask.mask_mod)
-    kv_fine = BlockTensors.expanded(finer.kv_num_blocks, finer.kv_indices, finer.full_kv_num_blocks,
-                                    finer.full_kv_indices, size, B, Hq)
-    own = _kv_blocks(block_mask, B, Hq)
-    bq, bkv = block_mask.BLOCK_SIZE
-    per_block = (bq // REFINE_BLOCK) * (bkv // REFINE_BLOCK)  # finer blocks per block of the mask
-    costs = torch.stack([own.row_cost(own.num_blocks.shape[-1]).sum() * per_block,
-                         kv_fine.row_cost(kv_fine.num_blocks.shape[-1]).sum()])
-    coarse, cost = costs.tolist()  # one read-back per mask
-    return kv_fine, q_block_tensors(finer, B, Hq), (cost / coarse if coarse else 1.0)
+    return refine_tables(block_mask, B, Hq, _kv_blocks(block_mask, B, Hq))
 
 
 def _q_blocks(block_mask, B, Hq):
     """The backward's transposed tables (``flexcore.kernels.backward.q_block_tensors``). A mask
     built without them (``compute_q_blocks=False``) has them computed once, not at every backward;
     that transpose is reused while the key-block tables are unmodified (their version counters)."""
-    from flexcore.kernels.backward import q_block_tensors
+    from flexcore.kernels.tables import q_block_tensors
 
     stamp = None
     if block_mask.q_indices is None:
@@ -215,12 +200,13 @@ def _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, opts) 
     statistics that the backward will ask for together with the key-block tables' ones that the
     forward asks for (one wait on the GPU per new mask instead of two; nothing when both are known)."""
     from flexcore.kernels.backward import uses_runs
-    from flexcore.kernels.forward import gather_stats, pad_head_dim
+    from flexcore.kernels.forward import pad_head_dim
+    from flexcore.kernels.tables import gather_stats
 
     if _decodes(query, opts):
         return
     head_dim_pad = max(pad_head_dim(query.shape[-1]), pad_head_dim(value.shape[-1]))
-    if not uses_runs(head_dim_pad, score_lowered.is_trivial):
+    if not uses_runs(head_dim_pad, score_lowered.is_trivial, opts):
         return
     B, Hq, L = query.shape[:3]
     sparse_q, sparse_kv = blocks.sparse_block

@@ -105,7 +105,7 @@ def _seq_lengths_pair(seq_lengths) -> tuple[int, int]:
 # Mods: arity, location, evaluation with clear errors
 # ----------------------------------------------------------------------------------------------
 
-def _mod_location(fn) -> tuple[str, str | None, int | None]:
+def mod_location(fn) -> tuple[str, str | None, int | None]:
     """(name, file, first line) of a user's mod, looking through partials and wrappers."""
     target = fn
     while isinstance(target, functools.partial):
@@ -142,7 +142,7 @@ _SIGNATURES = {"mask": "mask_mod(b, h, q_idx, kv_idx) -> bool tensor",
                "score": "score_mod(score, b, h, q_idx, kv_idx) -> score"}
 
 
-def _mod_kind(fn, caller: str, allowed: tuple[str, ...] = ("mask",), arg: str = "mask_mod") -> str:
+def mod_kind(fn, caller: str, allowed: tuple[str, ...] = ("mask",), arg: str = "mask_mod") -> str:
     """Check that ``fn`` is a mask_mod (4 args) or score_mod (5 args); return its kind."""
     if not callable(fn):
         raise InputError(f"{caller}(): {arg} must be a callable {_SIGNATURES[allowed[0]]}; "
@@ -154,7 +154,7 @@ def _mod_kind(fn, caller: str, allowed: tuple[str, ...] = ("mask",), arg: str = 
     kind = kinds.get(arity)
     if kind in allowed:
         return kind
-    name, filename, lineno = _mod_location(fn)
+    name, filename, lineno = mod_location(fn)
     expected = " or ".join(f"a {_SIGNATURES[k]} ({4 if k == 'mask' else 5} positional arguments)"
                            for k in allowed)
     hint = ""
@@ -180,7 +180,7 @@ def _describe_args(args: tuple[Tensor, ...], names: tuple[str, ...]) -> str:
                      for n, a in zip(names, args))
 
 
-def _call_mod(fn, args: tuple[Tensor, ...], kind: str) -> Tensor:
+def call_mod(fn, args: tuple[Tensor, ...], kind: str) -> Tensor:
     """Call a user's mod, turning its failures into errors that name the mod and its line."""
     names = ("b", "h", "q_idx", "kv_idx")
     if kind == "score":
@@ -192,7 +192,7 @@ def _call_mod(fn, args: tuple[Tensor, ...], kind: str) -> Tensor:
     except FlexError:
         raise
     except Exception as exc:  # noqa: BLE001 - re-raised with the mod's name and line
-        name, filename, first = _mod_location(fn)
+        name, filename, first = mod_location(fn)
         lineno = _raising_line(exc, filename) or first
         if "Boolean value of Tensor" in str(exc) or "is ambiguous" in str(exc):
             raise ControlFlowError(
@@ -207,9 +207,9 @@ def _call_mod(fn, args: tuple[Tensor, ...], kind: str) -> Tensor:
             mod_name=name, filename=filename, lineno=lineno) from exc
 
 
-def _as_bool_mask(result, fn, shape: tuple[int, ...], device: torch.device) -> Tensor:
+def as_bool_mask(result, fn, shape: tuple[int, ...], device: torch.device) -> Tensor:
     """Check a mask_mod's result and broadcast it (without copying) to ``shape``."""
-    name, filename, lineno = _mod_location(fn)
+    name, filename, lineno = mod_location(fn)
     if isinstance(result, bool):
         result = torch.tensor(result, device=device)
     if not isinstance(result, Tensor):
@@ -221,11 +221,11 @@ def _as_bool_mask(result, fn, shape: tuple[int, ...], device: torch.device) -> T
                              f"returned {result.dtype} of shape {tuple(result.shape)}. Return a "
                              f"comparison instead, e.g. `q_idx >= kv_idx`",
                              mod_name=name, filename=filename, lineno=lineno)
-    return _broadcast_result(result, fn, shape, device)
+    return broadcast_result(result, fn, shape, device)
 
 
-def _broadcast_result(result: Tensor, fn, shape: tuple[int, ...], device: torch.device) -> Tensor:
-    name, filename, lineno = _mod_location(fn)
+def broadcast_result(result: Tensor, fn, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    name, filename, lineno = mod_location(fn)
     if result.device != device:
         raise ModReturnError(f"returned a tensor on {result.device}, but the mask is built on "
                              f"{device}; move the tensors it captures to {device}",
@@ -253,15 +253,15 @@ def _evaluate_mask(fn, kind: str, b, h, q, kv, device) -> Tensor:
     args = _index_tensors(b, h, q, kv, device)
     shape = (b[1] - b[0], h[1] - h[0], q[1] - q[0], kv[1] - kv[0])
     if kind == "mask":
-        return _as_bool_mask(_call_mod(fn, args, "mask"), fn, shape, device)
+        return as_bool_mask(call_mod(fn, args, "mask"), fn, shape, device)
     score = torch.zeros(shape, device=device, dtype=torch.float32)
-    result = _call_mod(fn, (score, *args), "score")
+    result = call_mod(fn, (score, *args), "score")
     if not isinstance(result, Tensor) or not result.is_floating_point():
-        name, filename, lineno = _mod_location(fn)
+        name, filename, lineno = mod_location(fn)
         got = f"{result.dtype} tensor" if isinstance(result, Tensor) else type(result).__name__
         raise ModReturnError(f"score_mod must return a floating-point score tensor; it returned {got}",
                              mod_name=name, filename=filename, lineno=lineno)
-    return ~torch.isneginf(_broadcast_result(result, fn, shape, device))
+    return ~torch.isneginf(broadcast_result(result, fn, shape, device))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,7 +357,7 @@ def _classify_blocks_chunked(mask_mod: MaskMod, B: int, H: int, Q_LEN: int, KV_L
 # Step 2: dense block flags <-> ordered index tables (bounded-memory, vectorised per chunk)
 # ----------------------------------------------------------------------------------------------
 
-def _row_chunks(rows: int, per_row: int, budget: int) -> Iterator[slice]:
+def row_chunks(rows: int, per_row: int, budget: int) -> Iterator[slice]:
     step = max(1, budget // max(1, per_row))
     for r0 in range(0, rows, step):
         yield slice(r0, min(r0 + step, rows))
@@ -379,7 +379,7 @@ def _ordered_from_map(block_map: Tensor, value: int) -> tuple[Tensor, Tensor]:
     num = torch.empty(B, H, R, dtype=torch.int32, device=device)
     indices = torch.empty(B, H, R, C, dtype=torch.int32, device=device)
     cols = torch.arange(C, dtype=torch.int32, device=device)
-    for rows in _row_chunks(R, B * H * C, _TABLE_CHUNK_ELEMENTS):
+    for rows in row_chunks(R, B * H * C, _TABLE_CHUNK_ELEMENTS):
         flags = block_map[:, :, rows] == value
         listed_upto = flags.to(torch.int32).cumsum(-1, dtype=torch.int32)  # inclusive count
         n = listed_upto[..., -1:]
@@ -394,7 +394,7 @@ def _map_from_ordered(num: Tensor, indices: Tensor, value: int, out: Tensor) -> 
     """Write ``value`` into ``out`` (B, H, R, C) at the blocks listed by (num, indices)."""
     B, H, R, C = out.shape
     slots = torch.arange(indices.shape[-1], device=indices.device)
-    for rows in _row_chunks(R, B * H * (C + 1), _TABLE_CHUNK_ELEMENTS):
+    for rows in row_chunks(R, B * H * (C + 1), _TABLE_CHUNK_ELEMENTS):
         listed = slots < num[:, :, rows, None]
         target = torch.where(listed, indices[:, :, rows], C).long()  # column C is a discard slot
         dense = torch.zeros(B, H, target.shape[2], C + 1, dtype=torch.bool, device=out.device)
@@ -461,7 +461,7 @@ def _listing_flags(num: Tensor, indices: Tensor) -> Tensor:
     flags = torch.zeros(3, dtype=torch.bool, device=indices.device)
     flags[_COUNT] = ((num < 0) | (num > C)).any()
     slots = torch.arange(C, device=indices.device)
-    for rows in _row_chunks(R, B * H * C, _TABLE_CHUNK_ELEMENTS):
+    for rows in row_chunks(R, B * H * C, _TABLE_CHUNK_ELEMENTS):
         idx = indices[:, :, rows]
         listed = slots < num[:, :, rows, None]
         flags[_RANGE] |= (listed & ((idx < 0) | (idx >= C))).any()
@@ -544,7 +544,7 @@ def _overlap_flag(num: Tensor, indices: Tensor, full_num: Tensor, full_indices: 
     """0-d bool on the tables' device: some block is listed by both pairs."""
     B, H, R, C = indices.shape
     flag = torch.zeros((), dtype=torch.bool, device=indices.device)
-    for rows in _row_chunks(R, B * H * (C + 1), _TABLE_CHUNK_ELEMENTS):
+    for rows in row_chunks(R, B * H * (C + 1), _TABLE_CHUNK_ELEMENTS):
         flag |= (_dense_listed(num, indices, rows) & _dense_listed(full_num, full_indices, rows)).any()
     return flag
 
@@ -555,7 +555,7 @@ def _sorted_listing(num: Tensor, indices: Tensor) -> Tensor:
     B, H, R, C = indices.shape
     out = indices.clone()
     slots = torch.arange(C, device=indices.device)
-    for rows in _row_chunks(R, B * H * C, _TABLE_CHUNK_ELEMENTS):
+    for rows in row_chunks(R, B * H * C, _TABLE_CHUNK_ELEMENTS):
         idx = indices[:, :, rows]
         listed = slots < num[:, :, rows, None]
         ordered = torch.where(listed, idx, C).sort(dim=-1).values  # unlisted entries sort last
@@ -574,7 +574,7 @@ class BlockCounts(NamedTuple):
     empty: int
 
 
-def _sliced_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+def sliced_mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     raise InputError(
         "this BlockMask was sliced (bm[...]), so the original mask_mod no longer matches its "
         "batch/head/query-block numbering. Give it a mask_mod that does, e.g. for decoding:\n"
@@ -922,7 +922,7 @@ class BlockMask:
             seq_lengths = (kv_indices.shape[-2] * block_size[0], kv_indices.shape[-1] * block_size[1])
         q_tables: dict[str, Tensor | None] = {}
         if compute_q_blocks:
-            block_map = _block_map_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
+            block_map = block_map_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices)
             q_tables = _transposed_tables(block_map, full_kv_indices is not None)
         return cls._trusted(seq_lengths=seq_lengths, kv_num_blocks=kv_num_blocks,
                             kv_indices=kv_indices, full_kv_num_blocks=full_kv_num_blocks,
@@ -950,12 +950,14 @@ class BlockMask:
                              f"0 = empty, 1 = partial, 2 = full; got {got}")
         if block_map.numel() and bool(((block_map < 0) | (block_map > 2)).any()):
             raise InputError("block_map values must be 0 (empty), 1 (partial) or 2 (full)")
-        return cls._from_block_map(block_map, BLOCK_SIZE, seq_lengths, mask_mod, compute_q_blocks)
+        return cls.from_trusted_block_map(block_map, BLOCK_SIZE, seq_lengths, mask_mod, compute_q_blocks)
 
     @classmethod
-    def _from_block_map(cls, block_map, BLOCK_SIZE, seq_lengths, mask_mod, compute_q_blocks=True,
-                        with_full: bool = True):
-        """``with_full=False`` lists every computed block as partial (no full_* tables)."""
+    def from_trusted_block_map(cls, block_map, BLOCK_SIZE, seq_lengths, mask_mod, compute_q_blocks=True,
+                               with_full: bool = True) -> BlockMask:
+        """:meth:`from_block_map` without checking ``block_map`` (flexcore's own classifications,
+        whose values are known to be 0, 1 or 2: no read-back). ``with_full=False`` lists every
+        computed block as partial (no full_* tables)."""
         if not with_full:
             block_map = block_map.clamp(max=PARTIAL)
         kv_num_blocks, kv_indices = _ordered_from_map(block_map, PARTIAL)
@@ -965,6 +967,8 @@ class BlockMask:
         return cls._trusted(seq_lengths=seq_lengths, kv_num_blocks=kv_num_blocks,
                             kv_indices=kv_indices, BLOCK_SIZE=BLOCK_SIZE, mask_mod=mask_mod,
                             **full, **q_tables)
+
+    _from_block_map = from_trusted_block_map  # flexcore.attention's name for it
 
     def with_mask_mod(self, mask_mod: MaskMod | None,
                       seq_lengths: tuple[int, int] | None = None) -> BlockMask:
@@ -1029,7 +1033,7 @@ class BlockMask:
                              f"{self.BLOCK_SIZE}, but the mask has {QB} x {KB}: it can only be "
                              f"cropped; build a new mask for longer sequences")
         block_map = self.block_map()[:, :, :rows, :cols]
-        adjusted = type(self)._from_block_map(block_map, self.BLOCK_SIZE, (new_q_len, new_kv_len),
+        adjusted = type(self).from_trusted_block_map(block_map, self.BLOCK_SIZE, (new_q_len, new_kv_len),
                                               self.mask_mod, self.q_indices is not None,
                                               with_full=self.full_kv_indices is not None)
         adjusted._add_guards(self.__dict__["_guards"])
@@ -1045,7 +1049,7 @@ class BlockMask:
 
     def block_map(self) -> Tensor:
         """(B, H, Q_BLOCKS, KV_BLOCKS) int8: 0 = empty, 1 = partial, 2 = full."""
-        return _block_map_of(self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks,
+        return block_map_of(self.kv_num_blocks, self.kv_indices, self.full_kv_num_blocks,
                              self.full_kv_indices)
 
     def to_dense(self) -> Tensor:
@@ -1105,7 +1109,7 @@ class BlockMask:
             tables = {n: (t[key] if t is not None else None) for n, t in tables.items()}
         sliced = type(self)._from_kv_blocks_unchecked(
             tables["kv_num_blocks"], tables["kv_indices"], tables["full_kv_num_blocks"],
-            tables["full_kv_indices"], self.BLOCK_SIZE, _sliced_mask_mod, self.seq_lengths,
+            tables["full_kv_indices"], self.BLOCK_SIZE, sliced_mask_mod, self.seq_lengths,
             compute_q_blocks=self.q_indices is not None)
         sliced._add_guards(self.__dict__["_guards"])
         return sliced
@@ -1188,7 +1192,7 @@ def _normalise_index(item, size: int, dim_name: str):
     return slice(i, i + 1)
 
 
-def _block_map_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+def block_map_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                   check_overlap: bool = False) -> Tensor:
     block_map = torch.zeros(kv_indices.shape, dtype=torch.int8, device=kv_indices.device)
     _map_from_ordered(kv_num_blocks, kv_indices, PARTIAL, block_map)
@@ -1249,7 +1253,7 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
         >>> out = flex_attention(q, k, v, block_mask=bm)
     """
     prepare_triton()  # the GPU path traces and compiles the mask_mod
-    _mod_kind(mask_mod, "create_block_mask")
+    mod_kind(mask_mod, "create_block_mask")
     B = _positive_int(B, "B", allow_none=True) or 1
     H = _positive_int(H, "H", allow_none=True) or 1
     Q_LEN, KV_LEN = _positive_int(Q_LEN, "Q_LEN"), _positive_int(KV_LEN, "KV_LEN")
@@ -1261,7 +1265,7 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
         block_map = _classify_blocks_on_gpu(mask_mod, B, H, Q_LEN, KV_LEN, block_size, device)
     if block_map is None:
         block_map = _classify_blocks_chunked(mask_mod, B, H, Q_LEN, KV_LEN, block_size, device)
-    mask = BlockMask._from_block_map(block_map, block_size, (Q_LEN, KV_LEN), mask_mod,
+    mask = BlockMask.from_trusted_block_map(block_map, block_size, (Q_LEN, KV_LEN), mask_mod,
                                      with_full=bool(separate_full_blocks))
     guard_factory = getattr(mask_mod, "_flexcore_guard_factory", None)
     if guard_factory is not None:  # a mod over a paged cache: the mask holds for its page table
@@ -1310,7 +1314,7 @@ def create_mask(mod_fn: MaskMod | ScoreMod, B: int | None, H: int | None, Q_LEN:
                 [ True,  True, False],
                 [ True,  True,  True]])
     """
-    kind = _mod_kind(mod_fn, "create_mask", allowed=("mask", "score"), arg="mod_fn")
+    kind = mod_kind(mod_fn, "create_mask", allowed=("mask", "score"), arg="mod_fn")
     B = _positive_int(B, "B", allow_none=True) or 1
     H = _positive_int(H, "H", allow_none=True) or 1
     Q_LEN, KV_LEN = _positive_int(Q_LEN, "Q_LEN"), _positive_int(KV_LEN, "KV_LEN")
@@ -1318,7 +1322,7 @@ def create_mask(mod_fn: MaskMod | ScoreMod, B: int | None, H: int | None, Q_LEN:
     _check_mod_indices(mod_fn, kind, B, H, Q_LEN, KV_LEN)
     out = torch.empty(B, H, Q_LEN, KV_LEN, dtype=torch.bool, device=device)
     with torch.no_grad():
-        for rows in _row_chunks(Q_LEN, B * H * KV_LEN, _CHUNK_ELEMENTS):
+        for rows in row_chunks(Q_LEN, B * H * KV_LEN, _CHUNK_ELEMENTS):
             out[:, :, rows] = _evaluate_mask(mod_fn, kind, (0, B), (0, H), (rows.start, rows.stop),
                                              (0, KV_LEN), device)
     return out
@@ -1376,7 +1380,7 @@ def refine_block_map(block_mask: BlockMask, block_size: tuple[int, int],
                     q_idx.clamp(max=Q_LEN - 1).view(n, 1, bq, 1),
                     kv_idx.clamp(max=KV_LEN - 1).view(n, 1, 1, bk))
             try:
-                kept = _as_bool_mask(_call_mod(mask_mod, args, "mask"), mask_mod, (n, 1, bq, bk), device)
+                kept = as_bool_mask(call_mod(mask_mod, args, "mask"), mask_mod, (n, 1, bq, bk), device)
             except FlexError:
                 return None
             kept = kept[:, 0] & valid
@@ -1426,3 +1430,7 @@ def _unflatten(leaves, context) -> BlockMask:
 register_pytree_node(BlockMask, _flatten, _unflatten,
                      serialized_type_name="flexcore.blockmask.BlockMask",
                      flatten_with_keys_fn=_flatten_with_keys)
+
+
+# flexcore.interop imports the old name; it can import sliced_mask_mod instead.
+_sliced_mask_mod = sliced_mask_mod

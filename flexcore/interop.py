@@ -82,7 +82,7 @@ def _torch_module():
 
 def from_torch_block_mask(block_mask, cls):
     """``cls`` (flexcore's BlockMask) from a torch BlockMask; see BlockMask.from_torch."""
-    from flexcore.blockmask import _sliced_mask_mod
+    from flexcore.blockmask import sliced_mask_mod
     from flexcore.masks import noop_mask
 
     if not is_torch_block_mask(block_mask):
@@ -91,7 +91,7 @@ def from_torch_block_mask(block_mask, cls):
     tfa = _torch_module()
     mask_mod = block_mask.mask_mod
     if mask_mod is getattr(tfa, "_sliced_mask_mod_error", None):
-        mask_mod = _sliced_mask_mod
+        mask_mod = sliced_mask_mod
     elif mask_mod is tfa.noop_mask:
         mask_mod = noop_mask
     seq_lengths = tuple(int(n) for n in block_mask.seq_lengths)
@@ -104,13 +104,13 @@ def from_torch_block_mask(block_mask, cls):
 
 def to_torch_block_mask(mask):
     """A torch BlockMask sharing ``mask``'s tables; see BlockMask.to_torch."""
-    from flexcore.blockmask import _sliced_mask_mod
+    from flexcore.blockmask import sliced_mask_mod
     from flexcore.masks import noop_mask
 
     mask.check_unmodified()
     tfa = _torch_module()
     mask_mod = mask.mask_mod
-    if mask_mod is _sliced_mask_mod and hasattr(tfa, "_sliced_mask_mod_error"):
+    if mask_mod is sliced_mask_mod and hasattr(tfa, "_sliced_mask_mod_error"):
         mask_mod = tfa._sliced_mask_mod_error
     elif mask_mod is noop_mask:
         mask_mod = tfa.noop_mask

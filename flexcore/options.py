@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -9,6 +10,7 @@ from typing import Any, Mapping
 import torch
 
 from flexcore.errors import InputError
+from flexcore.kernels.policy import BACKENDS, Backend, DispatchPolicy, resolve
 
 
 class KernelOptionsConflict(InputError, RuntimeError):
@@ -22,7 +24,8 @@ class KernelOptions:
     A plain dict with the same keys is accepted wherever KernelOptions is, and so are the keys of
     torch's ``FlexKernelOptions``: ``BACKEND`` ("AUTO"; "TRITON" forbids and "TRITON_DECODE" forces
     the decoding kernel) and ``FORCE_USE_FLEX_ATTENTION=True`` (forbids it) map to ``decode``;
-    torch's other keys at their default values ask for nothing here; the rest (``PRESCALE_QK``,
+    torch's other keys at their default values ask for nothing here (``BACKEND="TRITON"`` keeps the
+    Gluon kernels allowed: use ``backend="triton"`` to forbid them); the rest (``PRESCALE_QK``,
     ``fwd_``/``bwd_`` tiles, ``BLOCK_M1``..., ROCm knobs, ``BACKEND="FLASH"``) are ignored with one
     warning that names them.
 
@@ -48,6 +51,16 @@ class KernelOptions:
         check_indices: check at run time, on the GPU, that every index a score_mod or mask_mod
             reads from a captured tensor lies inside it, and raise otherwise (indices that the
             lowering proves in range are not checked). Costs one extra pass over the index grid.
+        backend: which kernels may serve the call. "auto": flexcore's rules pick between the Gluon
+            kernels for Hopper and the Triton templates; "triton": never the Gluon kernels;
+            "gluon": only the Gluon kernels (an sm_90 GPU whose triton has Gluon; a call they
+            cannot serve raises, and short queries do not pick the decoding kernel).
+        policy: a :class:`flexcore.kernels.policy.DispatchPolicy` replacing flexcore's dispatch
+            rules (experiments, tests); None: the defaults. :func:`flexcore.explain` shows what
+            the rules choose for a call.
+
+    ``dispatch``: the policy the kernels read (``policy`` with ``backend`` applied), computed once
+    per options object.
     """
 
     BLOCK_M: int | None = None
@@ -59,8 +72,21 @@ class KernelOptions:
     decode: bool | None = None
     deterministic: bool = False
     check_indices: bool = False
+    backend: Backend = "auto"
+    policy: DispatchPolicy | None = None
 
     def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise InputError(f"kernel_options['backend'] = {self.backend!r}: expected one of "
+                             f"{list(BACKENDS)}")
+        if self.policy is not None and not isinstance(self.policy, DispatchPolicy):
+            raise InputError(f"kernel_options['policy'] must be a flexcore.kernels.policy.DispatchPolicy "
+                             f"or None, got {type(self.policy).__name__}")
+        if self.backend == "gluon":  # the decoding kernel is a Triton kernel
+            if self.decode:
+                raise KernelOptionsConflict("kernel_options: decode=True contradicts backend='gluon' "
+                                            "(the decoding kernel is a Triton kernel)")
+            object.__setattr__(self, "decode", False)
         for name in ("BLOCK_M", "BLOCK_N"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 16 or value & (value - 1)):
@@ -69,6 +95,12 @@ class KernelOptions:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise InputError(f"kernel_options[{name!r}] = {value!r}: expected a positive int")
+
+    @functools.cached_property
+    def dispatch(self) -> DispatchPolicy:
+        """The dispatch policy the kernels read: ``policy`` (the defaults for None) with ``backend``
+        applied; resolved on first use (InputError where backend='gluon' has no Hopper GPU)."""
+        return resolve(self.backend, self.policy)
 
     @property
     def pins_tiles(self) -> bool:

@@ -16,8 +16,13 @@ from torch.utils.checkpoint import checkpoint
 
 from flexcore._types import ScoreMod
 from flexcore._validate import check_block_mask, check_qkv
-from flexcore.blockmask import (EMPTY, FULL, BlockMask, _as_bool_mask, _broadcast_result,
-                                _call_mod, _mod_kind, _mod_location, _row_chunks)
+from flexcore.blockmask import EMPTY, FULL, BlockMask
+from flexcore.blockmask import as_bool_mask as _as_bool_mask
+from flexcore.blockmask import broadcast_result as _broadcast_result
+from flexcore.blockmask import call_mod as _call_mod
+from flexcore.blockmask import mod_kind as _mod_kind
+from flexcore.blockmask import mod_location as _mod_location
+from flexcore.blockmask import row_chunks as _row_chunks
 from flexcore.errors import ModReturnError
 from flexcore.lowering import check_indices, per_element
 from flexcore.masks import noop_mask

@@ -9,8 +9,7 @@ of do_bench medians, B=4 H=16 S=4096. Needs a CUDA GPU. torch's compiled flex_at
 timed: with a learnable captured tensor its loop took about 950 ms per call at that size, which is
 not a kernel time.
 
-It switches the pass with flexcore.kernels.backward.EXACT_DELTA; where the backward's choices are
-passed as an explicit policy instead, set the same choice there.
+It switches the pass with the dispatch policy's backward.exact_delta, passed in kernel_options.
 
 Usage: PYTHONPATH=. python3 bench/experiments/captured_grad_accuracy.py
 See docs/decisions.md#exact-delta.
@@ -19,8 +18,8 @@ import torch
 from torch.nn.attention import flex_attention as torch_flex_mod
 from triton.testing import do_bench
 
-from flexcore import create_block_mask, flex_attention
-from flexcore.kernels import backward as bwd
+from flexcore import KernelOptions, create_block_mask, flex_attention
+from flexcore.kernels.policy import DispatchPolicy
 from flexcore.reference import flex_attention_reference
 
 torch_flex = torch.compile(torch_flex_mod.flex_attention, dynamic=False)
@@ -28,6 +27,11 @@ torch_flex = torch.compile(torch_flex_mod.flex_attention, dynamic=False)
 
 def causal(b, h, q, kv):
     return q >= kv
+
+
+def pass_options(exact: bool) -> KernelOptions:
+    """Kernel options with the backward's delta pass on or off."""
+    return KernelOptions(policy=DispatchPolicy().replace(backward={"exact_delta": exact}))
 
 
 def alibi_of(slope):
@@ -59,10 +63,9 @@ def accuracy(B, H, S, D, seed):
         return [rel(a, g) for a, g in zip((dq, dk, ds), gold)]
 
     for exact in (True, False):
-        bwd.EXACT_DELTA = exact
+        opts = pass_options(exact)
         rows[f"flexcore pass {'on' if exact else 'off'}"] = grads(
-            lambda q, k, v, mod: flex_attention(q, k, v, score_mod=mod, block_mask=bm))
-    bwd.EXACT_DELTA = True
+            lambda q, k, v, mod: flex_attention(q, k, v, score_mod=mod, block_mask=bm, kernel_options=opts))
     rows["torch flex compiled"] = grads(lambda q, k, v, mod: torch_flex(q, k, v, score_mod=mod, block_mask=tbm))
     rows["torch eager bf16"] = grads(lambda q, k, v, mod: flex_attention_reference(
         q, k, v, score_mod=mod, block_mask=bm, upcast=False))
@@ -78,16 +81,16 @@ def timing(B, H, S, D):
     bm = create_block_mask(causal, B, None, S, S, device="cuda")
     mod = alibi_of(slope)
 
-    def ours():
-        torch.autograd.grad(flex_attention(q, k, v, score_mod=mod, block_mask=bm), (q, k, v, slope), go)
+    def ours(opts):
+        torch.autograd.grad(flex_attention(q, k, v, score_mod=mod, block_mask=bm, kernel_options=opts),
+                            (q, k, v, slope), go)
 
     res = {}
     for exact in (True, False, True, False):
-        bwd.EXACT_DELTA = exact
+        opts = pass_options(exact)
         for _ in range(3):
-            ours()
-        res.setdefault(exact, []).append(do_bench(ours, warmup=25, rep=200, return_mode="median"))
-    bwd.EXACT_DELTA = True
+            ours(opts)
+        res.setdefault(exact, []).append(do_bench(lambda: ours(opts), warmup=25, rep=200, return_mode="median"))
     on, off = min(res[True]), min(res[False])
     print(f"time B={B} H={H} S={S} D={D} fwd+bwd ms: pass on {on:.3f}, off {off:.3f} "
           f"(+{(on / off - 1) * 100:.1f}%)")

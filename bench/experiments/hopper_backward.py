@@ -7,9 +7,8 @@ difference between the two flexcore backwards' gradients (0 when they are bit-id
 should be). With --profile, also each kernel's GPU time per call. bf16, H=16, D=128, B = 16384 / S.
 Needs an sm_90 GPU.
 
-It chooses the backward with flexcore.kernels.hopper.HOPPER_BACKWARD (None: by the rule, False:
-the template) and drops per-call plans between choices; where the kernel choice is passed as an
-explicit policy instead, set the same choice there.
+It chooses the backward with the dispatch policy's gluon.backward, passed in kernel_options
+("auto": by the rule, "off": the template); each choice keys its own per-call plans.
 
 Usage: PYTHONPATH=. python3 bench/experiments/hopper_backward.py [--rounds=2] [--sizes=4096,16384]
        [--masks=noop,causal,sliding,prefix,document] [--profile]
@@ -21,9 +20,13 @@ import torch
 from torch.nn.attention import flex_attention as tf
 from triton.testing import do_bench
 
-from flexcore import create_block_mask, flex_attention
-from flexcore.kernels import hopper
-from flexcore.kernels import launch as L
+from flexcore import KernelOptions, create_block_mask, flex_attention
+from flexcore.kernels.policy import DispatchPolicy
+
+def backward_options(gluon: str) -> KernelOptions:
+    """Kernel options with the Gluon backward by the rule ("auto") or off (the template's)."""
+    return KernelOptions(policy=DispatchPolicy().replace(gluon={"backward": gluon}))
+
 
 ARGS = dict(a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--") and "=" in a)
 ROUNDS = int(ARGS.get("rounds", 2))
@@ -63,8 +66,8 @@ for S in SIZES:
         bm = None if mod is None else create_block_mask(mod, None, None, S, S, device="cuda")
         tbm = None if mod is None else tf.create_block_mask(mod, None, None, S, S, device="cuda")
 
-        def ours():
-            return torch.autograd.grad(flex_attention(q, k, v, block_mask=bm), (q, k, v), go)
+        def ours(opts=None):
+            return torch.autograd.grad(flex_attention(q, k, v, block_mask=bm, kernel_options=opts), (q, k, v), go)
 
         def ours_fwd():
             with torch.no_grad():
@@ -80,12 +83,10 @@ for S in SIZES:
         grads = {}
         times = {key: [] for key in ("g", "t", "x", "gf", "xf")}
         for r in range(ROUNDS):
-            for key, gluon in (("g", None), ("t", False)):
-                hopper.HOPPER_BACKWARD = gluon
-                L.clear_plans()
-                grads[key] = ours()
-                times[key].append(do_bench(ours, warmup=10, rep=200, return_mode="median"))
-            hopper.HOPPER_BACKWARD = None
+            for key, gluon in (("g", "auto"), ("t", "off")):
+                opts = backward_options(gluon)
+                grads[key] = ours(opts)
+                times[key].append(do_bench(lambda: ours(opts), warmup=10, rep=200, return_mode="median"))
             times["gf"].append(do_bench(ours_fwd, warmup=10, rep=200, return_mode="median"))
             theirs()
             times["x"].append(do_bench(theirs, warmup=10, rep=200, return_mode="median"))
@@ -93,19 +94,17 @@ for S in SIZES:
         t = {key: min(val) for key, val in times.items()}
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(grads["g"], grads["t"]))
         if PROFILE:
-            for gluon in (None, False):
-                hopper.HOPPER_BACKWARD = gluon
-                L.clear_plans()
-                ours()
+            for gluon in ("auto", "off"):
+                opts = backward_options(gluon)
+                ours(opts)
                 torch.cuda.synchronize()
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for _ in range(5):
-                        ours()
+                        ours(opts)
                     torch.cuda.synchronize()
                 rows = [(e.key[:40], e.device_time_total / 5 / 1000) for e in prof.key_averages()]
-                print(f"  {name} {S} {'gluon' if gluon is None else 'template'} kernels (ms per call): "
+                print(f"  {name} {S} {'gluon' if gluon == 'auto' else 'template'} kernels (ms per call): "
                       + ", ".join(f"{k} {t:.3f}" for k, t in sorted(rows, key=lambda r: -r[1])[:5]))
-            hopper.HOPPER_BACKWARD = None
         print(f"| {name} | {S} | {t['g']:.3f} | {t['t']:.3f} | {t['x']:.3f} | {t['g'] - t['gf']:.3f} | "
               f"{t['t'] - t['gf']:.3f} | {t['x'] - t['xf']:.3f} | {t['x'] / t['g']:.3f} | {t['x'] / t['t']:.3f} | "
               f"{diff:.2e} |", flush=True)

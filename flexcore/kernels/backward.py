@@ -3,9 +3,9 @@
 The preprocessing kernel computes delta = rowsum(dO * O) - grad_lse (the lse's gradient, when the
 loss reads the lse: d lse_i / d s_ij = P_ij, so dS = P * (dP - delta) takes it whole); then
 ``flex_bwd_kernel`` runs its dK/dV programs and its dQ programs, in one launch or two (see
-``_FUSED_HEAD_DIMS``). Where gradients of captured tensors are wanted, a launch of the dQ programs'
+the policy's ``backward.fused``). Where gradients of captured tensors are wanted, a launch of the dQ programs'
 grid first recomputes delta as rowsum(P * dP) - grad_lse from the backward's own probabilities
-(see ``EXACT_DELTA``). float64 inputs are computed in float64 throughout (see
+(the policy's ``backward.exact_delta``). float64 inputs are computed in float64 throughout (see
 ``flexcore.kernels.forward.scale_args``).
 
 dQ, dK and dV never use atomics (each program owns its rows), so they are bit-identical across runs.
@@ -22,7 +22,9 @@ Gradients of captured tensors are scattered by the dK/dV programs with atomic ad
 """
 from __future__ import annotations
 
+import logging
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -30,11 +32,15 @@ from flexcore._runtime import capturing, use_interpreter
 from flexcore.errors import InputError
 from flexcore.kernels import hopper
 from flexcore.kernels.codegen import HEADER, cached_module, cap_list, fill_template, read_template
-from flexcore.kernels.forward import (BlockTensors, _check_tile, ensure_tma_allocator, finer_tables, fit_tile,
-                                      pad_head_dim, q_rows_descriptor, refine_key, scale_args, use_tma)
+from flexcore.kernels.forward import (check_tile, ensure_tma_allocator, fit_tile, pad_head_dim, q_rows_descriptor,
+                                      scale_args, use_tma)
 from flexcore.kernels.launch import (arg_key, direct_launches, get_plan, keep_plan, launch, out_of_resources,
                                      plan_key, recording, run)
+from flexcore.kernels.policy import DEFAULT_POLICY
+from flexcore.kernels.tables import BlockTensors, finer_tables, q_block_tensors, refine_key  # noqa: F401
 from flexcore.options import KernelOptions
+
+_log = logging.getLogger("flexcore.dispatch")
 
 #: Captured-tensor gradients in deterministic mode are int64 multiples of 2**-FIXED_POINT_BITS.
 FIXED_POINT_BITS = 32
@@ -60,25 +66,6 @@ def backward_module(score_lowered, score_bwd_lowered, mask_lowered):
         lambda: build_backward_source(score_lowered, score_bwd_lowered, mask_lowered), "backward")
 
 
-def q_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
-    """The BlockMask's transposed tables (q_*, full_q_*), expanded to (B, Hq, KV_BLOCKS[, Q_BLOCKS]).
-
-    A BlockMask built with ``compute_q_blocks=False`` gets its transpose computed here.
-    """
-    if block_mask.q_indices is None:
-        from flexcore.blockmask import BlockMask
-
-        block_mask = BlockMask.from_kv_blocks(
-            block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
-            block_mask.full_kv_indices, BLOCK_SIZE=block_mask.BLOCK_SIZE,
-            mask_mod=block_mask.mask_mod, seq_lengths=block_mask.seq_lengths)
-
-    bq, bkv = block_mask.BLOCK_SIZE
-    return BlockTensors.expanded(block_mask.q_num_blocks, block_mask.q_indices,
-                                 block_mask.full_q_num_blocks, block_mask.full_q_indices,
-                                 (bkv, bq), B, Hq)
-
-
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, 2-byte dtypes. dK/dV programs own
 # BLOCK_N keys and step over BLOCK_M queries; dQ programs own BLOCK_M queries and step over BLOCK_N
 # keys. One launch for both kinds uses both tiles, the common num_warps and the smaller num_stages.
@@ -94,66 +81,31 @@ _DQ_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (64, 32, 4, 1)}
 # +1%, ALiBi + causal +1%; with the identity score_mod and a partial mask (causal, prefix, sliding
 # window, document) 1-4% slower, so those keep _DQ_CONFIGS.
 _DQ_CONFIGS_SCORE_OR_DENSE = {128: (128, 64, 8, 3)}
-# Tiles over 64x64 mask blocks (the finer tables of flexcore.kernels.forward.REFINE, or a mask built
+# Tiles over 64x64 mask blocks (the finer tables of flexcore.kernels.tables, or a mask built
 # with BLOCK_SIZE=64): 4 warps. Measured on an H200 (docs/decisions.md#finer-tables, document masks and
 # sliding windows, forward+backward): 8 warps on 64x64 tiles ran 1.4-1.8x slower; 3 stages for
 # dK/dV and 2 for dQ within 1-5% of the best pairing everywhere.
 _FINE_DKDV_CONFIGS = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}
 _FINE_DQ_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
-# Padded head dims whose backward may run as one launch (_tune_layout decides per kernel and size).
-_FUSED_HEAD_DIMS = frozenset({128})
-
-# Tensor descriptors (TMA) for the tiles read in the inner loops (Q and dO for dK/dV, K and V for
-# dQ), where use_tma allows them. Off by default: measured within 1-5% either way of pointer loads
-# in the backward, slower as often as faster (docs/decisions.md#backward-launch-layout).
-# None decides by the GPU and the layout; True forces them (tests).
-TMA: bool | None = False
-# Full blocks that form one run per row (BlockTensors.full_runs) are stepped over from the first
-# index, without reading one index per tile, as in the forward. Measured on an H200 (docs/decisions.md#table-paths): +3-9% forward+backward at head dim 64; at 128 +3% with a score_mod that reads the
-# positions (ALiBi) and -2% to +0.4% without one, so there only with a score_mod. False reads the
-# tables on every path (benchmarks, tests).
-FULL_RUNS = True
-FULL_RUNS_MAX_HEAD_DIM = 64  # larger head dims take the run path only with a score_mod
-
-# 16-bit inputs: probabilities are recomputed as exp2(s - lse2) with lse2 = m + log2(l) per row,
-# computed by the preprocessing kernel, instead of exp2(s - m) * (1/l): one product less per score
-# in both kinds of program. lse2's float32 rounding (|lse2| * 2**-24 in the exponent) is far below
-# the 16-bit rounding of p. Float32 and float64 inputs keep (m, 1/l). False: (m, 1/l) everywhere.
-P_FROM_LSE = True
-
-# Dense path: masks whose blocks are all full (no mask, noop_mask) skip the partial loops and the
-# tables, and both kinds of program step over every tile. Measured on an H200 (docs/decisions.md entry
-# 31): at head dim 128 +1-3% on forward+backward without a score_mod, but 1-3% slower than the run
-# path with one unless warp-specialized (below); at 64 no faster than the run path. So by default
-# only at DENSE_HEAD_DIMS, and with a score_mod only warp-specialized. True forces it for every
-# all-full mask (tests); False never.
-DENSE: bool | None = None
-DENSE_HEAD_DIMS = frozenset({128})
-# Warp-specialized dense loops (triton's `tl.range(..., warp_specialize=True)`), reading every tile
-# and row through descriptors over all rows of each tensor (docs/decisions.md#dense-warp-specialization): +3-5% forward+backward at head
-# dim 128 with a score_mod (ALiBi, softcap without a mask), none without one, and 1.5-3x slower at
-# head dim 64. They need 16-bit inputs (lse2), no GQA, sequences that divide the tiles, K/V/Q/dO
-# layouts that descriptors over all rows can read, no captured tensors (as in the forward) and, on
-# the GPU, 8-warp tiles for both kinds of program (a 4-warp run once gave NaN gradients).
-# WARP_SPEC: None takes them by that rule on Hopper or later; True wherever the layout allows (also
-# under the interpreter, which runs the loops unspecialized: tests); False never.
-# WARP_SPEC_KINDS: which kinds of program take them (benchmarks).
-WARP_SPEC: bool | None = None
-WARP_SPEC_KINDS = frozenset({"dkdv", "dq"})
-
-# Where gradients of captured tensors are wanted, delta is recomputed as rowsum(P * dP) by a pass
-# over the dQ programs' grid (PHASE 3, two matrix products per tile) instead of taken from
-# rowsum(dO * O). The stored output O carries the forward's 16-bit probabilities and its own
-# rounding, so each row's dS = P * (dP - delta) sums to that error instead of zero; a mod derivative
-# that is one-signed along the row (an ALiBi slope's |i - j|) adds those errors up. Measured in bf16
-# (docs/decisions.md#exact-delta): a learnable ALiBi slope's gradient 7% off float64 without the pass,
-# torch's eager bf16 0.2%. dq, dk and dv gain too, at the cost of the pass. False: never (benchmarks).
-EXACT_DELTA = True
-
-# One launch for the dK/dV and dQ programs, which then share num_warps and num_stages: None times
-# one launch against two per kernel and size bucket where _FUSED_HEAD_DIMS allows it (the first
-# backward of each); True/False force it (a launch that runs out of shared memory splits anyway).
-FUSED: bool | None = None
+# The paths below follow the policy's ``backward`` family (flexcore.kernels.policy):
+# - tma: descriptors for the tiles read in the inner loops; off by default, pointer loads being as
+#   fast within noise (docs/decisions.md#backward-launch-layout).
+# - full_runs: runs of full blocks stepped over from the first index, as in the forward; at large
+#   head dims only with a score_mod that reads the positions (docs/decisions.md#table-paths).
+# - p_from_lse: 16-bit inputs recompute probabilities as exp2(s - lse2) with lse2 = m + log2(l)
+#   per row (one product less per score); lse2's float32 rounding is far below the 16-bit rounding
+#   of p. Float32 and float64 inputs keep (m, 1/l).
+# - dense, dense_head_dims: masks whose blocks are all full skip the partial loops and the tables;
+#   with a score_mod only warp-specialized (docs/decisions.md#backward-dense-path).
+# - warp_spec: warp-specialized dense loops (triton's `tl.range(..., warp_specialize=True)`)
+#   reading every tile through descriptors over all rows; they need 16-bit inputs (lse2), no GQA,
+#   sequences that divide the tiles, layouts that such descriptors can read, no captured tensors
+#   and, on the GPU, 8-warp tiles for both kinds of program (docs/decisions.md#dense-warp-specialization).
+# - exact_delta: where captured tensors want gradients, delta = rowsum(P * dP) by an extra pass over
+#   the dQ programs' grid: rowsum(dO * O) carries the forward's 16-bit rounding, which a one-signed
+#   mod derivative (an ALiBi slope's |i - j|) adds up (docs/decisions.md#exact-delta).
+# - fused, fused_head_dims: one launch for both kinds of program, timed against two per kernel
+#   and size bucket (_tune_layout).
 # Kernels (module, tiles, constexprs) whose single launch ran out of shared memory: they run as two.
 _split: set = set()
 # Whether one launch was measured faster than two, per kernel and size bucket (see _tune_layout).
@@ -210,19 +162,19 @@ def _tiles(opts: KernelOptions, head_dim_pad: int, itemsize: int, sparse_q: int,
             meta = dict(num_warps=opts.num_warps or w, num_stages=opts.num_stages or s)
             configs.append((fit_tile(m, sparse_q, "query"), fit_tile(n, sparse_kv, "key"), meta))
     if opts.BLOCK_M or opts.BLOCK_N:
-        bm = _check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else None
-        bn = _check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else None
+        bm = check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else None
+        bn = check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else None
         configs = [(bm or m, bn or n, meta) for m, n, meta in configs]
     return configs[0], configs[1]
 
 
-def _warp_spec_rows(q, k, v, grad_out, allowed: bool) -> tuple[int, int, int, int]:
+def _warp_spec_rows(q, k, v, grad_out, allowed: bool, rule: str) -> tuple[int, int, int, int]:
     """The row counts of descriptors over all rows of q, k, v and grad_out (see
     flexcore.kernels.forward.q_rows_descriptor) where ``allowed`` and the warp-specialized loops may
-    run: all four nonzero, or all 0."""
+    run (``rule``: the policy's backward.warp_spec): all four nonzero, or all 0."""
     if not allowed:
         return (0, 0, 0, 0)
-    if WARP_SPEC is None and not use_tma((q, k, v, grad_out), True):  # Hopper or later, 16-bit
+    if rule == "auto" and not use_tma((q, k, v, grad_out), True):  # Hopper or later, 16-bit
         return (0, 0, 0, 0)
     if q.shape[-1] != pad_head_dim(q.shape[-1]) or v.shape[-1] != pad_head_dim(v.shape[-1]):
         return (0, 0, 0, 0)
@@ -230,10 +182,12 @@ def _warp_spec_rows(q, k, v, grad_out, allowed: bool) -> tuple[int, int, int, in
     return rows if all(rows) else (0, 0, 0, 0)
 
 
-def uses_runs(head_dim_pad: int, score_is_trivial: bool) -> bool:
-    """Whether the backward may step over runs of full blocks (FULL_RUNS), and so reads the
-    tables' :meth:`BlockTensors.stats` (see FULL_RUNS_MAX_HEAD_DIM)."""
-    return FULL_RUNS and (head_dim_pad <= FULL_RUNS_MAX_HEAD_DIM or not score_is_trivial)
+def uses_runs(head_dim_pad: int, score_is_trivial: bool, opts: KernelOptions | None = None) -> bool:
+    """Whether the backward may step over runs of full blocks (the policy's backward.full_runs and
+    full_runs_max_head_dim), and so reads the tables' :meth:`BlockTensors.stats`. ``opts`` None:
+    the default policy."""
+    policy = DEFAULT_POLICY.backward if opts is None else opts.dispatch.backward
+    return policy.full_runs and (head_dim_pad <= policy.full_runs_max_head_dim or not score_is_trivial)
 
 
 def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
@@ -275,11 +229,12 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
             return plan(q, k, v, out, row_stats, grad_out, caps, score_lowered.captured,
                         score_bwd_lowered.grad_of, opts.deterministic, grad_lse)
     owners = (kv_blocks, q_blocks)
-    # The finer tables where the forward's rule takes them (flexcore.kernels.forward.REFINE), here
-    # also where the Gluon backward would serve the mask's own: measured on an H200 (docs/decisions.md#finer-tables), the template over them beats it on document masks at 16k (+4.5%) and ties it on
-    # sliding windows (-0.5%), where the Gluon forward wins by 14%. Forced (HOPPER_BACKWARD True),
-    # the Gluon backward reads the mask's own tables.
-    fine = finer_tables(kv_blocks, q.shape[2], mask_lowered, opts, lambda: hopper.HOPPER_BACKWARD is True)
+    # The finer tables where the forward's rule takes them (the policy's forward.refine), here also
+    # where the Gluon backward would serve the mask's own: the template over them is as fast or
+    # faster there (docs/decisions.md#finer-tables). Forced (gluon.backward "on"), the Gluon
+    # backward reads the mask's own tables.
+    fine = finer_tables(kv_blocks, q.shape[2], mask_lowered, opts,
+                        lambda: opts.dispatch.gluon.backward == "on")
     if fine is not None:
         kv_blocks, q_blocks = fine
     if key is None:
@@ -319,7 +274,7 @@ def _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     the forward's key. A given ``grad_lse`` (HAS_GRAD_LSE) keys apart from None, with its
     alignment; its values are read at each call."""
     return plan_key(
-        "backward", score_lowered.source, score_bwd_lowered.source, mask_lowered.source,
+        opts.dispatch.launch, "backward", score_lowered.source, score_bwd_lowered.source, mask_lowered.source,
         score_lowered.is_trivial, bool(score_lowered.captured), score_bwd_lowered.grad_of,
         id(kv_blocks), id(q_blocks),
         q.device, q.dtype, k.dtype, v.dtype, out.dtype, grad_out.dtype, row_stats.dtype,
@@ -327,10 +282,7 @@ def _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
         grad_out.shape, grad_out.stride(), row_stats.shape,
         q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, out.data_ptr() & 15,
         grad_out.data_ptr() & 15, row_stats.data_ptr() & 15, scale, opts,
-        TMA, FULL_RUNS, FULL_RUNS_MAX_HEAD_DIM, P_FROM_LSE, DENSE, frozenset(DENSE_HEAD_DIMS),
-        WARP_SPEC, frozenset(WARP_SPEC_KINDS), FUSED, frozenset(_FUSED_HEAD_DIMS), EXACT_DELTA,
-        hopper.HOPPER_BACKWARD, hopper.BACKWARD_MIN_MEAN_BLOCKS,
-        arg_key(caps) if caps else (), *refine_key(mask_lowered),
+        arg_key(caps) if caps else (), refine_key(mask_lowered),
         None if grad_lse is None else grad_lse.data_ptr() & 15)
 
 
@@ -398,7 +350,8 @@ class _BackwardPlan:
         return dq, dk, dv, _captured_grads(captured, grad_buffers, deterministic)
 
 
-def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool, grad_lse=None, delta_from_out=True):
+def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool, grad_lse=None, delta_from_out=True,
+                opts: KernelOptions | None = None):
     """delta = rowsum(dO * O) - grad_lse (without the rowsum where not ``delta_from_out``: the
     PHASE 3 pass adds its own), and with ``p_from_lse`` the rows' lse2 = m + log2(l), in one buffer
     (1 or 2, B, Hq, L) of the accumulation dtype; and the preprocessing launch's integer arguments."""
@@ -416,7 +369,8 @@ def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool, grad_lse=Non
          row_terms[0] if grad_lse is None else grad_lse, *pre_fixed),
         dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=pad_head_dim(Dv), BLOCK_M=pre_m,
              ACC_DTYPE=tl.float64 if fp64 else tl.float32, P_FROM_LSE=p_from_lse,
-             HAS_GRAD_LSE=grad_lse is not None, DELTA_FROM_OUT=delta_from_out))
+             HAS_GRAD_LSE=grad_lse is not None, DELTA_FROM_OUT=delta_from_out),
+        (DEFAULT_POLICY if opts is None else opts.dispatch).launch)
     return row_terms, pre_fixed
 
 
@@ -426,7 +380,7 @@ def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd
     """backward's result and plan parts (as _backward's) from flexcore.kernels.hopper's Gluon kernels,
     or None where they do not serve the call (see hopper.applies_backward) or fail to build for this
     mask_mod."""
-    if not hopper.backward_may_apply(q):
+    if not hopper.backward_may_apply(q, opts):
         return None
     L, S = q.shape[2], k.shape[2]
     sparse_q, sparse_kv = kv_blocks.sparse_block
@@ -439,12 +393,14 @@ def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd
     # The Gluon kernels take dS = P * (dP - delta) with the preprocessing's delta, which carries
     # grad_lse (see flex_bwd_preprocess).
     row_terms, pre_fixed = _preprocess(backward_module(score_lowered, score_bwd_lowered, mask_lowered), out,
-                                       grad_out, row_stats, True, grad_lse)
+                                       grad_out, row_stats, True, grad_lse, opts=opts)
     launches = hopper.BackwardLaunches(module, kv_blocks, q_blocks, dense, scale)
     grads = hopper.backward(q, k, v, grad_out, row_terms[1], row_terms[0], launches, caps,
-                            ("backward_hopper.py.tmpl", mask_lowered.source, dense, q.dtype))
+                            ("backward_hopper.py.tmpl", mask_lowered.source, dense, q.dtype),
+                            opts.dispatch.launch)
     if grads is None:
         return None
+    _log.debug("backward: Gluon kernels (dense=%s, head dim %d, %s)", dense, q.shape[3], q.dtype)
     result = (*grads, _captured_grads(score_lowered.captured, {}, opts.deterministic))
     return result, (lambda entries: _HopperBackwardPlan(entries, pre_fixed, launches, row_terms.shape,
                                                         row_terms.dtype), 3)
@@ -471,6 +427,62 @@ class _HopperBackwardPlan:
         return (*grads, _captured_grads(captured, {}, deterministic))
 
 
+class BackwardChoice(NamedTuple):
+    """What the Triton backward template runs for a call (:func:`template_choice`)."""
+
+    dense: bool                # all-full mask: every tile, no tables
+    warp_spec_rows: tuple      # row counts of the warp-specialized loops' descriptors, or zeros
+    tma: bool                  # inner-loop tiles through tensor descriptors
+    full_q_runs: bool          # runs of full blocks stepped over (dK/dV programs)
+    full_kv_runs: bool         # the same for the dQ programs
+    p_from_lse: bool           # probabilities as exp2(s - lse2)
+    exact_delta: bool          # delta from the backward's own probabilities (an extra pass)
+    dkdv_tiles: tuple          # (BLOCK_M, BLOCK_N, launch knobs) of the dK/dV programs
+    dq_tiles: tuple            # the same for the dQ programs
+    may_fuse: bool             # one launch for both kinds may run (forced or timed, see _tune_layout)
+
+
+def template_choice(q, k, v, grad_out, score_lowered, kv_blocks: BlockTensors, q_blocks: BlockTensors,
+                    opts: KernelOptions, wants_captured_grads: bool) -> BackwardChoice:
+    """The Triton backward template's paths, descriptors and tiles for the call (no launch)."""
+    policy = opts.dispatch.backward
+    L, D = q.shape[2], q.shape[3]
+    Hq, Hkv, S, Dv = q.shape[1], k.shape[1], k.shape[2], v.shape[3]
+    head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
+    sparse_q, sparse_kv = kv_blocks.sparse_block
+    itemsize = q.element_size()
+    head_dim_max = max(head_dim_pad, head_dim_v_pad)  # tiles and paths follow the larger head dim
+    head_dim_key = _head_dim_key(head_dim_max)
+    trivial = score_lowered.is_trivial
+    # The dense path and its warp-specialized loops (the policy's dense and warp_spec); the tables'
+    # all_full is read only where the rules could take it.
+    dense_dims = head_dim_key in policy.dense_head_dims
+    ws_rule = policy.warp_spec == "on" or (policy.warp_spec == "auto" and dense_dims and not trivial)
+    dense_rule = policy.dense == "on" or (policy.dense == "auto" and dense_dims and trivial)
+    dense = (policy.dense != "off" and (ws_rule or dense_rule)
+             and kv_blocks.all_full(math.ceil(L / sparse_q), math.ceil(S / sparse_kv)))
+    dkdv_tiles, dq_tiles = _tiles(opts, head_dim_max, itemsize, sparse_q, sparse_kv, not trivial or dense)
+    p_from_lse = policy.p_from_lse and itemsize == 2
+    exact_delta = policy.exact_delta and wants_captured_grads
+    gqa = Hq // Hkv
+    # On the GPU only with 8-warp tiles for both kinds: at 4 warps triton 3.6 partitions the loops
+    # and a forced run at head dim 64 gave NaN gradients (docs/decisions.md#backward-dense-path).
+    eight_warps = use_interpreter() or dkdv_tiles[2].get("num_warps") == dq_tiles[2].get("num_warps") == 8
+    ws_rows = _warp_spec_rows(
+        q, k, v, grad_out, dense and ws_rule and eight_warps and p_from_lse and gqa == 1
+        and L % sparse_q == 0 and S % sparse_kv == 0 and L % 4 == 0 and not score_lowered.captured,
+        policy.warp_spec)
+    ws = ws_rows[0] > 0
+    dense = dense and (ws or dense_rule)
+    tma = ws or use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, policy.tma)
+    runs = uses_runs(head_dim_max, trivial, opts)
+    may_fuse = ((policy.fused == "on" or (policy.fused == "auto" and head_dim_key in policy.fused_head_dims))
+                and dkdv_tiles[2].get("num_warps") == dq_tiles[2].get("num_warps"))
+    return BackwardChoice(dense, ws_rows, tma, runs and q_blocks.full_runs(math.ceil(S / sparse_kv)),
+                          runs and kv_blocks.full_runs(math.ceil(L / sparse_q)), p_from_lse, exact_delta,
+                          dkdv_tiles, dq_tiles, may_fuse)
+
+
 def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
               kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
               caps: tuple, grad_lse=None):
@@ -489,18 +501,17 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     if q_blocks.sparse_block != (sparse_kv, sparse_q):
         raise ValueError(f"q_blocks.sparse_block {q_blocks.sparse_block} is not the transpose of "
                          f"kv_blocks.sparse_block {kv_blocks.sparse_block}")
-    itemsize = q.element_size()
-    head_dim_max = max(head_dim_pad, head_dim_v_pad)  # tiles and paths follow the larger head dim
-    head_dim_key = _head_dim_key(head_dim_max)
-    trivial = score_lowered.is_trivial
-    # The dense path and its warp-specialized loops (see DENSE and WARP_SPEC); the tables' all_full
-    # is read only where the rules could take it.
-    ws_rule = WARP_SPEC is True or (WARP_SPEC is None and head_dim_key in DENSE_HEAD_DIMS and not trivial)
-    dense_rule = DENSE is True or (DENSE is None and head_dim_key in DENSE_HEAD_DIMS and trivial)
-    dense = (DENSE is not False and (ws_rule or dense_rule)
-             and kv_blocks.all_full(math.ceil(L / sparse_q), math.ceil(S / sparse_kv)))
-    (bm1, bn1, meta1), (bm2, bn2, meta2) = _tiles(
-        opts, head_dim_max, itemsize, sparse_q, sparse_kv, not trivial or dense)
+    policy = opts.dispatch
+    captured = score_lowered.captured
+    choice = template_choice(q, k, v, grad_out, score_lowered, kv_blocks, q_blocks, opts,
+                             bool(score_bwd_lowered.grad_of))
+    if _log.isEnabledFor(logging.DEBUG):
+        _log.debug("backward: Triton template, tables %s, dense=%s warp_spec=%s tma=%s full_runs=(%s, %s) "
+                   "p_from_lse=%s exact_delta=%s tiles dK/dV %s dQ %s", kv_blocks.sparse_block, choice.dense,
+                   choice.warp_spec_rows[0] > 0, choice.tma, choice.full_q_runs, choice.full_kv_runs,
+                   choice.p_from_lse, choice.exact_delta, choice.dkdv_tiles, choice.dq_tiles)
+    dense, ws_rows, tma = choice.dense, choice.warp_spec_rows, choice.tma
+    (bm1, bn1, meta1), (bm2, bn2, meta2) = choice.dkdv_tiles, choice.dq_tiles
     pinned = opts.pins_tiles
     upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
@@ -515,13 +526,12 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     import triton.language as tl  # after load_module: the interpreter is set up by then
 
     common["ACC_DTYPE"] = tl.float64 if acc_dtype == torch.float64 else tl.float32
-    p_from_lse = P_FROM_LSE and itemsize == 2
-    captured = score_lowered.captured
+    p_from_lse = choice.p_from_lse
     grad_buffers, grad_args = _grad_buffers(captured, score_bwd_lowered.grad_of, opts.deterministic,
                                             q.device)
-    exact_delta = EXACT_DELTA and bool(grad_buffers)
+    exact_delta = choice.exact_delta
     row_terms, pre_fixed = _preprocess(module, out, grad_out, row_stats, p_from_lse, grad_lse,
-                                       delta_from_out=not exact_delta)
+                                       delta_from_out=not exact_delta, opts=opts)
     delta = row_terms[0]
     if p_from_lse:
         row_stats = row_terms[1]  # the kernel reads lse2 where it read the row max, and no 1/l
@@ -533,14 +543,7 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     qn, qi = q_blocks.full_tables()
     kn, ki = kv_blocks.full_tables()
     gqa = Hq // Hkv
-    # On the GPU only with 8-warp tiles for both kinds: at 4 warps triton 3.6 partitions the loops
-    # and a forced run at head dim 64 gave NaN gradients once in two GPU test runs (docs/decisions.md#backward-dense-path).
-    eight_warps = use_interpreter() or meta1.get("num_warps") == meta2.get("num_warps") == 8
-    ws_rows = _warp_spec_rows(
-        q, k, v, grad_out, dense and ws_rule and eight_warps and p_from_lse and gqa == 1
-        and L % sparse_q == 0 and S % sparse_kv == 0 and L % 4 == 0 and not score_lowered.captured)
     ws = ws_rows[0] > 0
-    dense = dense and (ws or dense_rule)
     # The arguments are (tensors of the call, fixed, captures, gradient buffers): a plan keeps
     # ``fixed``.
     fixed = (
@@ -551,27 +554,25 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
         *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3], *qn.stride(), *qi.stride()[:3],
         B * Hq * L, L, S, Hq, Hkv, *scale_args(scale, q.dtype), *ws_rows)
     args = (q, k, v, grad_out, dq, dk, dv, row_stats, delta, *fixed, *caps, *grad_args)
-    by_table = head_dim_key in _FUSED_HEAD_DIMS
-    tma = ws or use_tma((q, k, v, grad_out), D == head_dim_pad and Dv == head_dim_v_pad, TMA)
-    runs = uses_runs(head_dim_max, trivial)
+    kinds = policy.backward.warp_spec_kinds
     common.update(GQA_GROUP=gqa, WRITE_CAPTURED_GRADS=bool(grad_buffers), USE_TMA=tma,
                   P_FROM_LSE=p_from_lse, DENSE=dense,
-                  DKDV_WARP_SPEC=ws and "dkdv" in WARP_SPEC_KINDS, DQ_WARP_SPEC=ws and "dq" in WARP_SPEC_KINDS,
-                  FULL_Q_RUNS=runs and q_blocks.full_runs(math.ceil(S / sparse_kv)),
-                  FULL_KV_RUNS=runs and kv_blocks.full_runs(math.ceil(L / sparse_q)))
+                  DKDV_WARP_SPEC=ws and "dkdv" in kinds, DQ_WARP_SPEC=ws and "dq" in kinds,
+                  FULL_Q_RUNS=choice.full_q_runs, FULL_KV_RUNS=choice.full_kv_runs)
     kernel = module.flex_bwd_kernel
+    launching = policy.launch
     if exact_delta:  # delta = rowsum(P * dP), over the dQ programs' grid, before the other phases
         launch(kernel, lambda bm, bn: (gqa * math.ceil(L / bm), B * Hkv), args, bm2, bn2, meta2,
                dict(PHASE=3, DKDV_BLOCK_M=16, DKDV_BLOCK_N=16, **common), pinned=pinned,
-               tile_names=("DQ_BLOCK_M", "DQ_BLOCK_N"))
+               tile_names=("DQ_BLOCK_M", "DQ_BLOCK_N"), policy=launching)
 
     def run_split():
         launch(kernel, lambda bm, bn: (math.ceil(S / bn), B * Hkv), args, bm1, bn1, meta1,
                dict(PHASE=1, DQ_BLOCK_M=16, DQ_BLOCK_N=16, **common), pinned=pinned,
-               tile_names=("DKDV_BLOCK_M", "DKDV_BLOCK_N"))
+               tile_names=("DKDV_BLOCK_M", "DKDV_BLOCK_N"), policy=launching)
         launch(kernel, lambda bm, bn: (gqa * math.ceil(L / bm), B * Hkv), args, bm2, bn2, meta2,
                dict(PHASE=2, DKDV_BLOCK_M=16, DKDV_BLOCK_N=16, **common), pinned=pinned,
-               tile_names=("DQ_BLOCK_M", "DQ_BLOCK_N"))
+               tile_names=("DQ_BLOCK_M", "DQ_BLOCK_N"), policy=launching)
 
     def run_fused() -> bool:
         # One launch: the dK/dV programs, then the dQ programs of each query head of the group.
@@ -580,7 +581,7 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
         grid = (math.ceil(S / bn1) + gqa * math.ceil(L / bm2), B * Hkv)
         try:
             run(kernel, grid, args, dict(PHASE=0, DKDV_BLOCK_M=bm1, DKDV_BLOCK_N=bn1, DQ_BLOCK_M=bm2,
-                                         DQ_BLOCK_N=bn2, **meta_fused, **common))
+                                         DQ_BLOCK_N=bn2, **meta_fused, **common), launching)
         except Exception as e:  # noqa: BLE001 - only triton's OutOfResources is handled
             if not out_of_resources(e):
                 raise
@@ -588,13 +589,12 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
             return False
         return True
 
-    same_warps = meta1.get("num_warps") == meta2.get("num_warps")
-    fused = (FUSED if FUSED is not None else by_table) and same_warps
+    fused = choice.may_fuse
     if fused:  # keys built only here: the two-launch path costs no extra host time
         meta_fused = dict(meta1, num_stages=min(meta1["num_stages"], meta2["num_stages"])) if meta1 else {}
         config_key = (module.__name__, bm1, bn1, bm2, bn2, tuple(sorted(meta_fused.items())),
                       tuple(sorted((name, str(value)) for name, value in common.items())))
-        if FUSED is None and opts.autotune and not use_interpreter():
+        if policy.backward.fused == "auto" and opts.autotune and not use_interpreter():
             layout_key = (config_key, *(max(n, 1).bit_length() for n in (L, S, B * Hkv)))
             fused = _layout_choice.get(layout_key)
             if fused is None:

@@ -10,8 +10,9 @@ import torch
 from flexcore._runtime import use_interpreter
 from flexcore.errors import InputError
 from flexcore.kernels.codegen import load_kernel_module
-from flexcore.kernels.forward import BlockTensors, empty_output, fit_tile, forward, max_scores, pad_head_dim
+from flexcore.kernels.forward import empty_output, fit_tile, forward, max_scores, pad_head_dim
 from flexcore.kernels.launch import Tuned, run
+from flexcore.kernels.tables import BlockTensors
 from flexcore.options import KernelOptions
 
 _LOG2E = 1.4426950408889634
@@ -254,7 +255,7 @@ def decode(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: fl
     )
     grid = (plan.num_splits, tiles)
     if isinstance(kernel, Tuned):
-        kernel.launch(grid, args, constexprs, key=(tune_bucket, plan.num_splits, L))
+        kernel.launch(grid, args, constexprs, key=(tune_bucket, plan.num_splits, L), policy=opts.dispatch.launch)
     else:
-        run(kernel, grid, args, {**constexprs, **meta})
+        run(kernel, grid, args, {**constexprs, **meta}, opts.dispatch.launch)
     return (out, lse, row_max) if return_max_scores else (out, lse)

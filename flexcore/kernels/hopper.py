@@ -3,7 +3,7 @@
 The forward (the template `forward_hopper.py.tmpl`) serves the identity score_mod, in bf16 or fp16,
 on an sm_90 GPU, at head dim 64 or 128: with its DENSE constexpr set, a mask whose blocks are all
 full (no mask, ``noop_mask``; DENSE_TILES); filled with the lowered mask_mod, any other mask over
-128x128 blocks whose rows average MASKED_MIN_MEAN_BLOCKS key blocks or more (MASKED_TILES).
+128x128 blocks whose rows average the policy's gluon.masked_min_mean_blocks key blocks or more (MASKED_TILES).
 It runs FlashAttention-3's schedule, which triton 3.6 does not produce from ``tl`` code
 (docs/decisions.md#gluon-scope and docs/decisions.md#dense-warp-specialization and docs/decisions.md#gluon-dense-forward and docs/decisions.md#gluon-masked-forward and docs/decisions.md#gluon-three-warpgroups):
 
@@ -28,7 +28,7 @@ the scaled scores, and 1/l), so either backward reads them.
 
 The backward (the template `backward_hopper.py.tmpl`, after the Triton preprocessing kernel of
 flexcore.kernels.backward) serves the same calls, with masks whose rows, and their transpose's,
-average BACKWARD_MIN_MEAN_BLOCKS blocks or more: a dK/dV kernel (128 keys per program, 64-query tiles
+average gluon.backward_min_mean_blocks blocks or more: a dK/dV kernel (128 keys per program, 64-query tiles
 of Q and dO streamed) and a dQ kernel (128 queries per program, 64-key tiles of K and V streamed),
 each with one loader warp and two compute warpgroups (flexcore/README.md, docs/decisions.md#gluon-backward).
 """
@@ -36,36 +36,26 @@ from __future__ import annotations
 
 import functools
 import re
+import types
 from typing import NamedTuple
 
 import torch
 
 from flexcore._runtime import capturing, use_interpreter
-from flexcore.blockmask import _block_map_of
+from flexcore.blockmask import block_map_of
+from flexcore.errors import InputError
 
-# None: used wherever it applies; False: never (benchmarks, tests); True: as None, and a call it
-# cannot serve raises instead of falling back (tests).
-HOPPER_DENSE: bool | None = None
-# The same for masks with partial or skipped blocks (the template forward_hopper.py.tmpl); True
-# also ignores MASKED_MIN_MEAN_BLOCKS.
-HOPPER_MASKED: bool | None = None
-# Below this many key blocks per mask row on average the Triton template serves the mask: each
-# program of the Gluon kernel sets up barriers, partitions and registers, which rows of a few
-# blocks feel (document masks at 4k: 0.93x torch flex against the template's 1.12x; docs/decisions.md#gluon-masked-forward).
-MASKED_MIN_MEAN_BLOCKS = 8.0
-# At head dim 64 the masked kernel yields to the Triton template over finer tables where
-# flexcore.kernels.forward.REFINE takes those (sliding windows, documents); False keeps the mask's
-# own tables for it there too, as at head dim 128 where rows are not skewed (docs/decisions.md#gluon-union-lists).
-UNION_YIELDS = True
-# Where the two mask blocks of a 192-row program list different key blocks, the warpgroups of one
-# wait while the others compute the blocks only theirs lists (the loader walks one list): masks whose
-# union lists hold more than this fraction of such tiles keep the template (document masks, sliding
-# windows; causal and prefix masks hold one per program). True for HOPPER_MASKED ignores it.
-UNION_MAX_EXCLUSIVE = 0.15
-# MASKED_MIN_MEAN_BLOCKS of the three-warpgroup kernel: at head dim 64 a tile is half the work of one
-# at 128 and a program holds 192 rows, so its setup weighs more on short rows (document masks at 16k,
-# 8.5 blocks a row: 0.64x the template; docs/decisions.md#gluon-union-lists).
-UNION_MIN_MEAN_BLOCKS = 12.0
+# Which kernel serves a call is decided by the policy's ``gluon`` family (flexcore.kernels.policy):
+# - masked_min_mean_blocks: each program of the masked kernel sets up barriers, partitions and
+#   registers, which rows of a few blocks feel; below it the template serves the mask
+#   (docs/decisions.md#gluon-masked-forward).
+# - union_yields: at head dim 64 the masked kernel yields to the template over finer tables where
+#   those are taken (docs/decisions.md#gluon-union-lists).
+# - union_max_exclusive: where the two mask blocks of a 192-row program list different key blocks,
+#   the warpgroups of one wait while the others compute the blocks only theirs lists (the loader
+#   walks one list), so masks with many such tiles keep the template.
+# - union_min_mean_blocks: masked_min_mean_blocks of the three-warpgroup kernel, whose 192-row
+#   programs of half-size tiles feel their setup more on short rows.
 HEAD_DIMS = frozenset({128})  # the backward
 BLOCK_M = 128  # query rows per program of the masked forward: two warpgroups of 64
 BLOCK_N = 128  # keys per tile
@@ -87,8 +77,9 @@ class GluonTiles(NamedTuple):
 # Per head dim, dense and masked alike: at 128 two warpgroups (one 128-row mask block per program);
 # at 64 FlashAttention-3's 192-row tile, three compute warpgroups (16 warps x 32 x 128 at launch; the
 # compute warpgroups then run at 168, 160 and 160 registers, the loader's at 24; docs/decisions.md#gluon-three-warpgroups and docs/decisions.md#gluon-union-lists), whose programs span two mask blocks under a mask (union_tables).
-DENSE_TILES = {128: GluonTiles(2, NUM_STAGES, WG_REGS, MAX_REGS), 64: GluonTiles(3, 4, 160, 128)}
-MASKED_TILES = dict(DENSE_TILES)
+DENSE_TILES = types.MappingProxyType({128: GluonTiles(2, NUM_STAGES, WG_REGS, MAX_REGS),
+                                      64: GluonTiles(3, 4, 160, 128)})
+MASKED_TILES = DENSE_TILES
 _LOG2E = 1.4426950408889634
 
 
@@ -97,15 +88,38 @@ def _gluon_host():
     """The host side of the Gluon kernels (TMA descriptors), imported on first use (None where this
     triton has no Hopper Gluon)."""
     try:
-        from flexcore.kernels import _hopper_gluon
+        from flexcore.kernels import gluon_host
     except (ImportError, AttributeError):
         return None
-    return _hopper_gluon
+    return gluon_host
 
 
 @functools.lru_cache(maxsize=None)
 def _device_ok(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def gluon_unavailable() -> str | None:
+    """Why the Gluon kernels cannot run on this machine's current GPU, or None where they can."""
+    if use_interpreter() or not torch.cuda.is_available():
+        return "no CUDA GPU (Triton interpreter)" if use_interpreter() else "no CUDA GPU"
+    index = torch.cuda.current_device()
+    if not _device_ok(index):
+        major, minor = torch.cuda.get_device_capability(index)
+        return f"GPU {index} is sm_{major}{minor}"
+    if _gluon_host() is None:
+        import triton
+
+        return f"triton {triton.__version__} has no Gluon Hopper API"
+    return None
+
+
+def _refuse(kernel: str, setting: str) -> InputError:
+    return InputError(f"the Gluon {kernel} kernel was required (kernel_options backend='gluon' or "
+                      f"policy.gluon.{setting}='on') but cannot serve this call: it takes the identity "
+                      f"score_mod in bf16/fp16 at head dim {sorted(DENSE_TILES)} with lengths that are "
+                      f"multiples of {BLOCK_M}, on an sm_90 GPU; use backend='auto' to fall back to the "
+                      f"Triton kernels (flexcore.explain shows why)")
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int, int] | None:
@@ -157,13 +171,15 @@ def _output_contiguous(q: torch.Tensor) -> bool:
 
 
 def applies(q, k, v, score_lowered, dense: bool, scale: float, opts) -> bool:
-    """Whether the dense kernel serves the call (see the module's docstring)."""
-    if HOPPER_DENSE is False or not dense or use_interpreter() or not q.is_cuda:
+    """Whether the dense kernel serves the call (see the module's docstring and the policy's
+    gluon.dense)."""
+    rule = opts.dispatch.gluon.dense
+    if rule == "off" or not dense or use_interpreter() or not q.is_cuda:
         return False
     ok = (_common(q, k, v, score_lowered, scale, opts, DENSE_TILES) and _output_contiguous(q)
           and ("dense", q.dtype, q.shape[3]) not in _unsupported)
-    if not ok and HOPPER_DENSE:
-        raise RuntimeError("flexcore.kernels.hopper.HOPPER_DENSE is True but the call is not one it serves")
+    if not ok and rule == "on":
+        raise _refuse("dense", "dense")
     return ok
 
 
@@ -175,16 +191,20 @@ def _tables_ok(blocks) -> bool:
 
 def applies_masked(q, k, v, score_lowered, blocks, dense: bool, scale: float, opts) -> bool:
     """Whether the masked kernel may serve the call: a mask that is not dense, over 128x128
-    blocks, with the identity score_mod (the mask_mod may capture tensors)."""
-    if HOPPER_MASKED is False or dense or use_interpreter() or not q.is_cuda:
+    blocks, with the identity score_mod (the mask_mod may capture tensors); see the policy's
+    gluon.masked."""
+    policy = opts.dispatch.gluon
+    rule = policy.masked
+    if rule == "off" or dense or use_interpreter() or not q.is_cuda:
         return False
     ok = (_tables_ok(blocks) and _common(q, k, v, score_lowered, scale, opts, MASKED_TILES)
           and _output_contiguous(q))
-    if ok and not HOPPER_MASKED:
-        least = UNION_MIN_MEAN_BLOCKS if MASKED_TILES[q.shape[3]].num_wg == 3 else MASKED_MIN_MEAN_BLOCKS
+    if ok and rule != "on":
+        least = (policy.union_min_mean_blocks if MASKED_TILES[q.shape[3]].num_wg == 3
+                 else policy.masked_min_mean_blocks)
         ok = blocks.visits_on_average(q.shape[2] // BLOCK_M, least)
-    if not ok and HOPPER_MASKED:
-        raise RuntimeError("flexcore.kernels.hopper.HOPPER_MASKED is True but the call is not one it serves")
+    if not ok and rule == "on":
+        raise _refuse("masked", "masked")
     return ok
 
 
@@ -257,16 +277,18 @@ def tables(blocks) -> tuple:
              *full_n.stride(), *full_i.stride()[:3]), blocks.full_num_blocks is not None)
 
 
-def masked_tables(blocks, q_len: int, kv_len: int, head_dim: int) -> tuple | None:
+def masked_tables(blocks, q_len: int, kv_len: int, head_dim: int, opts) -> tuple | None:
     """(table arguments, has full blocks) of the masked forward at ``head_dim``: the mask's tables
     for two-warpgroup programs, :func:`union_tables` for three. None (the template then serves the
-    call) where more than UNION_MAX_EXCLUSIVE of the union's tiles are one block's own (unless
-    HOPPER_MASKED forces the kernel), or inside a CUDA graph capture before the lists are known."""
+    call) where more than the policy's gluon.union_max_exclusive of the union's tiles are one
+    block's own (unless gluon.masked is "on"), or inside a CUDA graph capture before the lists are
+    known."""
     tiles = MASKED_TILES[head_dim]
     if tiles.num_wg == 2:
         return tables(blocks)
+    policy = opts.dispatch.gluon
     found = union_tables(blocks, q_len, kv_len, tiles.num_wg * BLOCK_M // 2)
-    if found is None or (found[2] > UNION_MAX_EXCLUSIVE and not HOPPER_MASKED):
+    if found is None or (found[2] > policy.union_max_exclusive and policy.masked != "on"):
         return None
     counts, entries, _ = found
     return (counts, entries, counts, entries, *counts.stride()[:3], *entries.stride()[:3],
@@ -315,7 +337,7 @@ def union_tables(blocks, q_len: int, kv_len: int, rows: int) -> tuple | None:
     tables = [None if t is None else t.expand(*base, *t.shape[2:]) for t in tables]
     # code[b, h, row, col]: 0 not listed, 1 partial, 2 full (BlockMask.block_map's), and a row of
     # zeros past the last
-    code = torch.nn.functional.pad(_block_map_of(*tables)[..., :n_cols], (0, 0, 0, 1))
+    code = torch.nn.functional.pad(block_map_of(*tables)[..., :n_cols], (0, 0, 0, 1))
     device = code.device
     programs = -(-q_len // rows)
     row_a = torch.arange(programs, device=device) * rows // sparse_q
@@ -395,23 +417,19 @@ def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, sc
 # loader warp and two compute warpgroups of 64 rows, after the Triton preprocessing kernel of
 # flexcore.kernels.backward (delta and lse2).
 
-# None: used wherever it applies; False: never (benchmarks, tests); True: as None, and a call it
-# cannot serve raises instead of falling back (tests).
-HOPPER_BACKWARD: bool | None = None
-# Below this many key (query) blocks per row of the mask (of its transpose) on average, the Triton
-# template serves a masked backward: document masks, whose rows visit 2-8 blocks, ran no faster on
-# the GPU under the Gluon kernels and paid more host time per call for their descriptors
-# (docs/decisions.md#gluon-backward). True for HOPPER_BACKWARD also ignores it.
-BACKWARD_MIN_MEAN_BLOCKS = 8.0
+# The policy's gluon.backward decides; below gluon.backward_min_mean_blocks key (query) blocks per
+# row of the mask (of its transpose) the Triton template serves a masked backward: rows of a few
+# blocks run no faster under the Gluon kernels and pay more host time for their descriptors
+# (docs/decisions.md#gluon-backward).
 BWD_TILE = 64  # rows per compute warpgroup, and rows per streamed tile (queries for dK/dV, keys for dQ)
 BWD_DKDV_STAGES = 2  # Q and dO slots: 2 x 2 x 16 KB beside K and V's 64 KB
 BWD_DQ_STAGES = 3  # K and V slots: 3 x 2 x 16 KB beside Q and dO's 64 KB
 
 
-def backward_may_apply(q) -> bool:
-    """The cheap part of applies_backward: switched on, a CUDA tensor, no interpreter (callers check
-    it before reading the mask's statistics for ``dense``)."""
-    return HOPPER_BACKWARD is not False and q.is_cuda and not use_interpreter()
+def backward_may_apply(q, opts) -> bool:
+    """The cheap part of applies_backward: the policy allows it, a CUDA tensor, no interpreter
+    (callers check it before reading the mask's statistics for ``dense``)."""
+    return opts.dispatch.gluon.backward != "off" and q.is_cuda and not use_interpreter()
 
 
 def applies_backward(q, k, v, grad_out, score_lowered, kv_blocks, q_blocks, dense: bool, scale: float,
@@ -419,15 +437,16 @@ def applies_backward(q, k, v, grad_out, score_lowered, kv_blocks, q_blocks, dens
     """Whether the Gluon backward serves the call: what the forwards need (the identity score_mod, so
     no captured tensor wants a gradient), dO readable as (rows, D), and for a mask that is not dense
     both its tables over 128x128 blocks."""
-    if not backward_may_apply(q):
+    if not backward_may_apply(q, opts):
         return False
+    policy = opts.dispatch.gluon
     ok = (grad_out.dtype == q.dtype and grad_out.shape == q.shape and _rows(grad_out) is not None
           and (dense or (_tables_ok(kv_blocks) and _tables_ok(q_blocks)))
           and _common(q, k, v, score_lowered, scale, opts))
-    if ok and not dense and not HOPPER_BACKWARD:
-        ok = long_rows(kv_blocks, q_blocks, q.shape[2], k.shape[2], BACKWARD_MIN_MEAN_BLOCKS)
-    if not ok and HOPPER_BACKWARD:
-        raise RuntimeError("flexcore.kernels.hopper.HOPPER_BACKWARD is True but the call is not one it serves")
+    if ok and not dense and policy.backward != "on":
+        ok = long_rows(kv_blocks, q_blocks, q.shape[2], k.shape[2], policy.backward_min_mean_blocks)
+    if not ok and policy.backward == "on":
+        raise _refuse("backward", "backward")
     return ok
 
 
@@ -488,14 +507,18 @@ class BackwardLaunches:
         return grads
 
 
-def backward(q, k, v, grad_out, lse2, delta, launches: BackwardLaunches, caps: tuple, key):
+def backward(q, k, v, grad_out, lse2, delta, launches: BackwardLaunches, caps: tuple, key, policy=None):
     """(dq, dk, dv) in the layouts of q, k, v made contiguous, from lse2 and delta (B, Hq, L) of the
     preprocessing kernel; None where a kernel fails to compile (see _launch_once). The launches go
-    through flexcore.kernels.launch.run (direct launches, recorded for plans)."""
+    through flexcore.kernels.launch.run (direct launches, recorded for plans) under ``policy`` (a
+    LaunchPolicy; None: the defaults)."""
     from flexcore.kernels.launch import run
+    from flexcore.kernels.policy import LaunchPolicy
+
+    policy = LaunchPolicy() if policy is None else policy
     grads, kernels = launches.prepare(q, k, v, grad_out, lse2, delta, caps)
     for name, (kernel, grid, args, kwargs) in zip(("dkdv", "dq"), kernels):
-        if not _launch_once(key + (name,), functools.partial(run, kernel, grid, args, kwargs)):
+        if not _launch_once(key + (name,), functools.partial(run, kernel, grid, args, kwargs, policy)):
             _unsupported.add(key[:2])
             return None
     return grads

@@ -29,12 +29,14 @@ from typing import Callable, Iterator
 import torch
 
 from flexcore._runtime import capturing, use_interpreter
+from flexcore.kernels import triton_compat
+from flexcore.kernels.policy import LaunchPolicy
 
 _fallback_cache: dict = {}
+# Every function here that launches takes a LaunchPolicy (direct launches, plans, compile threads);
+# callers without options use the defaults.
+_DEFAULT = LaunchPolicy()
 
-# Direct launches (see the module docstring). False sends every launch through triton's
-# JITFunction.run (benchmarks, debugging).
-DIRECT = True
 # key -> _Direct; bounded (cleared when full: entries are cheap to rebuild, one slow launch each).
 _direct: dict = {}
 _DIRECT_LIMIT = 4096
@@ -99,23 +101,23 @@ def _entry(key, owner) -> _Direct | None:
 _stream = None  # triton's driver.get_current_stream, bound on first use
 
 
-def launch_env() -> tuple | None:
+def launch_env(policy: LaunchPolicy = _DEFAULT) -> tuple | None:
     """What a direct launch depends on besides its kernel and arguments: (current device, triton's
     debug knob, its instrumentation mode; it compiles another kernel when they change). None when
-    launches must go through triton: interpreter, direct launches switched off, a triton whose
-    launch convention is not the one mirrored here, a ROCm build (its specialisation also reads
-    tensor sizes), launch hooks or a stages-inspection hook installed (profilers)."""
-    if not DIRECT or use_interpreter() or not _supported() or _hooks_installed():
+    launches must go through triton: interpreter, direct launches switched off (``policy.direct``),
+    a triton whose launch convention is not the one mirrored here, a ROCm build (its specialisation
+    also reads tensor sizes), launch hooks or a stages-inspection hook installed (profilers)."""
+    if not policy.direct or use_interpreter() or not _supported() or _hooks_installed():
         return None
     knobs = _triton_knobs()
     instrumentation = getattr(getattr(knobs, "compilation", None), "instrumentation_mode", None)
     return (torch.cuda.current_device(), knobs.runtime.debug, instrumentation)
 
 
-def _direct_key(kernel, args, kwargs_items: tuple, extra=()) -> tuple | None:
+def _direct_key(kernel, args, kwargs_items: tuple, extra=(), policy: LaunchPolicy = _DEFAULT) -> tuple | None:
     """The key of a direct launch, or None when this launch must go through triton (see
     launch_env; also unhashable arguments)."""
-    env = launch_env()
+    env = launch_env(policy)
     if env is None:
         return None
     try:
@@ -124,26 +126,10 @@ def _direct_key(kernel, args, kwargs_items: tuple, extra=()) -> tuple | None:
         return None
 
 
-_supported_result: bool | None = None
-
-
 def _supported() -> bool:
-    """Whether this triton launches a compiled kernel as flexcore's direct launches do (checked
-    once, in the source of ``JITFunction.run``), on a CUDA build of torch."""
-    global _supported_result
-    if _supported_result is None:
-        _supported_result = False
-        if torch.version.hip is None:
-            try:
-                from triton.runtime.jit import JITFunction
-
-                source = " ".join(inspect.getsource(JITFunction.run).split())
-            except (ImportError, OSError, TypeError):
-                source = ""
-            _supported_result = ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, "
-                                 "kernel.packed_metadata, launch_metadata, knobs.runtime.launch_enter_hook, "
-                                 "knobs.runtime.launch_exit_hook, *bound_args.values())") in source
-    return _supported_result
+    """Whether this triton launches a compiled kernel as flexcore's direct launches do, on a CUDA
+    build of torch (flexcore.kernels.triton_compat, checked once)."""
+    return triton_compat.launches_like_jit_run()
 
 
 def _hooks_installed() -> bool:
@@ -161,7 +147,7 @@ _knobs = None
 def _triton_knobs():
     global _knobs
     if _knobs is None:
-        from triton import knobs as _knobs
+        _knobs = triton_compat.knobs()
     return _knobs
 
 
@@ -186,20 +172,18 @@ def _remember(key, kernel, compiled, args: tuple, kwargs: dict, extra=None, owne
         else:
             return
     if _stream is None:
-        from triton.runtime.driver import driver
-
-        _stream = driver.active.get_current_stream
+        _stream = triton_compat.current_stream_getter()
     if len(_direct) >= _DIRECT_LIMIT:
         _direct.clear()
     device = key[4]  # the current device, as _direct_key put it in the key
     _direct[key] = _Direct(kernel if owner is None else owner, compiled, tuple(tail), extra, device)
 
 
-def run(kernel, grid: tuple, args: tuple, kwargs: dict) -> None:
+def run(kernel, grid: tuple, args: tuple, kwargs: dict, policy: LaunchPolicy = _DEFAULT) -> None:
     """``kernel[grid](*args, **kwargs)``, launched directly when the same kernel has run with the
     same constexprs and argument key before (see the module docstring). ``grid``: a tuple (a
     callable grid always launches through triton)."""
-    key = None if callable(grid) else _direct_key(kernel, args, tuple(kwargs.items()))
+    key = None if callable(grid) else _direct_key(kernel, args, tuple(kwargs.items()), (), policy)
     entry = _entry(key, kernel)
     if entry is not None:
         entry.launch(grid, args)
@@ -238,7 +222,8 @@ def _describe(bm: int, bn: int, meta: dict) -> str:
 def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: int, meta: dict,
            kwargs: dict, *, pinned: bool = False,
            tile_names: tuple[str, str] = ("BLOCK_M", "BLOCK_N"),
-           fit: Callable[[tuple, dict], None] | None = None) -> tuple[int, int, dict]:
+           fit: Callable[[tuple, dict], None] | None = None,
+           policy: LaunchPolicy = _DEFAULT) -> tuple[int, int, dict]:
     """Launch ``kernel[grid(bm, bn)](*args, BLOCK_M=bm, BLOCK_N=bn, **meta, **kwargs)`` (the tile
     constexprs are named by ``tile_names``).
 
@@ -248,7 +233,7 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
     before each launch with the configuration about to run (tensor descriptors take their block
     shape from the tiles). Returns the configuration that ran.
     """
-    direct = _direct_key(kernel, args, tuple(kwargs.items()), (tile_names, bm, bn, *meta.items()))
+    direct = _direct_key(kernel, args, tuple(kwargs.items()), (tile_names, bm, bn, *meta.items()), policy)
     entry = _entry(direct, kernel)
     if entry is not None:  # extra: the configuration that ran
         if fit is not None:
@@ -299,10 +284,11 @@ class Tuned:
         self.fit = fit
         self.chosen: dict = {}
 
-    def launch(self, grid, args: tuple, kwargs: dict, key: tuple = ()) -> None:
+    def launch(self, grid, args: tuple, kwargs: dict, key: tuple = (),
+               policy: LaunchPolicy = _DEFAULT) -> None:
         """``tuner[grid](*args, **kwargs)``; ``key`` holds the values of the tuner's ``key`` arguments
         (the dtypes of the tensor arguments are added here, as the autotuner does)."""
-        direct = _direct_key(self, args, tuple(kwargs.items()), key)
+        direct = _direct_key(self, args, tuple(kwargs.items()), key, policy)
         entry = _entry(direct, self)
         if entry is not None:  # extra: the constexprs and options of the tuned configuration
             if self.fit is not None:
@@ -319,7 +305,7 @@ class Tuned:
             # tuned configuration into the graph).
             config = self.tuner.configs[0]
         elif config is None:
-            self._compile_configs(grid, args, kwargs)
+            self._compile_configs(grid, args, kwargs, policy.compile_threads)
             self.tuner[grid](*args, **kwargs)
             self.chosen[full_key] = self.tuner.best_config
             _record_launch(None, None)  # tuned: nothing to launch directly yet
@@ -333,17 +319,18 @@ class Tuned:
             _remember(direct, self.tuner.fn, compiled, args, full, full, owner=self)
         _record_launch(_entry(direct, self) if tuned else None, grid(full) if callable(grid) else grid)
 
-    def _compile_configs(self, grid, args: tuple, kwargs: dict) -> None:
+    def _compile_configs(self, grid, args: tuple, kwargs: dict, threads: int | None = None) -> None:
         """Compile every configuration the autotuner is about to time, concurrently (triton's
         compiler releases the GIL), so that a new mod's first call waits for the slowest compile
         rather than for their sum (docs/decisions.md#concurrent-compile). The autotuner
         then finds them in the kernel's cache. A configuration that fails to compile here is left
-        to the autotuner, which reports or skips it as it would have."""
+        to the autotuner, which reports or skips it as it would have. ``threads``: see
+        :func:`compile_threads`."""
         configs = self.tuner.configs
-        pool = _compile_pool(len(configs))
+        pool = _compile_pool(len(configs), threads)
         if pool is None:
             return
-        from triton.runtime._async_compile import AsyncCompileMode, active_mode
+        AsyncCompileMode, active_mode = triton_compat.async_compile()
 
         if active_mode.get() is not None:  # the caller compiles asynchronously already
             return
@@ -358,17 +345,16 @@ class Tuned:
                     pass
 
 
-# Threads that compile an autotuner's configurations (Tuned._compile_configs). None: the
-# environment variable FLEXLAB_COMPILE_THREADS if set, else the host's cores up to 8; 0 or 1
-# compiles one configuration after another, as triton's autotuner does (benchmarks, shared hosts).
-COMPILE_THREADS: int | None = None
 _pool = None  # the executor, made on first use; False where there is none
 
 
-def compile_threads() -> int:
-    """How many threads compile an autotuner's configurations (see COMPILE_THREADS)."""
-    if COMPILE_THREADS is not None:
-        return int(COMPILE_THREADS)
+def compile_threads(threads: int | None = None) -> int:
+    """How many threads compile an autotuner's configurations (Tuned._compile_configs):
+    ``threads`` (a LaunchPolicy's compile_threads) where given, else the environment variable
+    FLEXLAB_COMPILE_THREADS if set, else the host's cores up to 8; 0 or 1 compiles one
+    configuration after another, as triton's autotuner does (benchmarks, shared hosts)."""
+    if threads is not None:
+        return int(threads)
     value = os.environ.get("FLEXLAB_COMPILE_THREADS", "").strip()
     if value:
         try:
@@ -379,19 +365,17 @@ def compile_threads() -> int:
     return min(8, os.cpu_count() or 1)
 
 
-def _compile_pool(count: int):
-    """The executor for ``count`` configurations, or None: one configuration, one thread, or a
-    triton without asynchronous compilation (before 3.5)."""
+def _compile_pool(count: int, threads: int | None = None):
+    """The executor for ``count`` configurations, or None: one configuration, one thread (see
+    :func:`compile_threads`), or a triton without asynchronous compilation."""
     global _pool
-    threads = compile_threads()
+    threads = compile_threads(threads)
     if min(threads, count) < 2:
         return None
     if _pool is None:
         from concurrent.futures import ThreadPoolExecutor
 
-        try:
-            from triton.runtime import _async_compile  # noqa: F401
-        except ImportError:
+        if triton_compat.async_compile() is None:
             _pool = False
             return None
         _pool = ThreadPoolExecutor(threads, thread_name_prefix="flexlab-compile")
@@ -405,8 +389,7 @@ def _compile_pool(count: int):
 # decisions read (launch_env included), so that a repeated call allocates its outputs, puts its
 # tensors in the argument tuple and calls the compiled launchers (docs/decisions.md#per-call-plans).
 # Plans are made from what ``recording`` saw launched directly, outside CUDA graph captures.
-# False makes every call decide again (benchmarks, debugging).
-PLANS = True
+# A LaunchPolicy with plans=False makes every call decide again (benchmarks, debugging).
 _plans: dict = {}
 _plan_finalizers: dict = {}  # key -> the weakref.finalize of each of its owners
 _PLAN_LIMIT = 1024  # cleared when full, as _direct
@@ -415,13 +398,13 @@ _PLAN_LIMIT = 1024  # cleared when full, as _direct
 _recording = threading.local()
 
 
-def plan_key(*parts) -> tuple | None:
-    """The key of a plan: ``parts`` and the launch environment, or None where plans are off or
-    launches go through triton on the GPU (see launch_env). Under triton's interpreter, plans
-    launch through it (see _Interpreted)."""
-    if not PLANS:
+def plan_key(policy: LaunchPolicy, *parts) -> tuple | None:
+    """The key of a plan: ``parts`` and the launch environment, or None where ``policy`` turns
+    plans off or launches go through triton on the GPU (see launch_env). Under triton's
+    interpreter, plans launch through it (see _Interpreted)."""
+    if not policy.plans:
         return None
-    env = ("interpreter",) if use_interpreter() else launch_env()
+    env = ("interpreter",) if use_interpreter() else launch_env(policy)
     return None if env is None else (env, *parts)
 
 

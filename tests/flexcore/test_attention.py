@@ -11,6 +11,7 @@ from flexcore.errors import InputError
 from flexcore.reference import flex_attention_reference
 from tests.flexcore.cases import CPU_SHAPES, MOD_NAMES, Shape, make_case, make_mods
 from tests.flexcore.compare import assert_matches_reference, rel_err, seed_of
+from tests.flexcore.policies import policy_options
 
 DEVICE = "cpu"
 
@@ -210,11 +211,11 @@ def test_tensor_descriptor_path(monkeypatch, shape, mod_name):
     results, ragged key ends included (the descriptor zero-fills rows past KV_LEN)."""
     import flexcore.kernels.forward as fwd
 
-    monkeypatch.setattr(fwd, "TMA", True)
     used = []
     real = fwd.use_tma
     monkeypatch.setattr(fwd, "use_tma", lambda *a: used.append(real(*a)) or used[-1])
-    check_forward(shape, mod_name, torch.bfloat16, seed=seed_of("tma", mod_name, shape.name))
+    check_forward(shape, mod_name, torch.bfloat16, seed=seed_of("tma", mod_name, shape.name),
+                  kernel_options=policy_options(forward={"tma": "on"}))
     assert used == [True]
 
 
@@ -227,8 +228,7 @@ def test_tensor_descriptor_layouts(monkeypatch, layout):
     zero-fill past the end."""
     import flexcore.kernels.forward as fwd
 
-    monkeypatch.setattr(fwd, "TMA", True)
-    monkeypatch.setattr(fwd, "KV_ROWS", True)  # by default at head dim 128 only
+    opts = policy_options(forward={"tma": "on", "kv_rows": "on"})  # kv_rows: by default at head dim 128 only
     gen = torch.Generator().manual_seed(seed_of("tma_layout", layout))
     S = 70 if layout == "ragged" else 64
 
@@ -247,7 +247,7 @@ def test_tensor_descriptor_layouts(monkeypatch, layout):
     real = fwd.kv_rows_descriptor
     monkeypatch.setattr(fwd, "kv_rows_descriptor", lambda *a: descs.append(real(*a)) or descs[-1])
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + 30 >= kv_idx, None, None, 40, S, BLOCK_SIZE=32)
-    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=opts)
     assert_matches_reference(q, k, v, None, bm, out, lse, f"tma/{layout}")
     rows = {"contiguous": 2 * 4 * 64, "batch_broadcast": 4 * 64, "head_broadcast": 2 * 64}.get(layout)
     assert [d and d.shape for d in descs] == [rows and [rows, 32]] * 2
@@ -255,18 +255,18 @@ def test_tensor_descriptor_layouts(monkeypatch, layout):
 
 @pytest.mark.parametrize("D", [32, 64, 128])
 def test_kv_rows_by_head_dim(monkeypatch, D):
-    """By default K/V descriptors over all rows are made at head dim 128 only (KV_ROWS_HEAD_DIMS);
-    other head dims build a descriptor per program."""
+    """By default K/V descriptors over all rows are made at head dim 128 only (the policy's
+    forward.kv_rows_head_dims); other head dims build a descriptor per program."""
     import flexcore.kernels.forward as fwd
 
-    monkeypatch.setattr(fwd, "TMA", True)
     made = []
     real = fwd.kv_rows_descriptor
     monkeypatch.setattr(fwd, "kv_rows_descriptor", lambda *a: made.append(real(*a)) or made[-1])
     gen = torch.Generator().manual_seed(seed_of("kv_rows_dim", D))
     q, k, v = (torch.randn(1, 2, 64, D, generator=gen, dtype=torch.bfloat16) for _ in range(3))
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 64, 64, BLOCK_SIZE=32)
-    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True,
+                              kernel_options=policy_options(forward={"tma": "on"}))
     assert_matches_reference(q, k, v, None, bm, out, lse, f"kv_rows/{D}")
     assert len(made) == (2 if D == 128 else 0) and None not in made
 
@@ -316,14 +316,14 @@ def test_tensor_descriptors_need_aligned_rows():
     k = torch.randn(1, 2, 64, 32, dtype=torch.bfloat16)
     if fwd.use_interpreter():  # chosen automatically only on Hopper GPUs
         assert not fwd.use_tma((k, k), True)
-    assert not fwd.use_tma((k, k), True, force=False)
-    assert fwd.use_tma((k, k), True, force=True)
-    assert not fwd.use_tma((k, k), False, force=True)  # padded head dims
-    assert not fwd.use_tma((k, k.transpose(2, 3)), True, force=True)  # head dim not contiguous
+    assert not fwd.use_tma((k, k), True, rule="off")
+    assert fwd.use_tma((k, k), True, rule="on")
+    assert not fwd.use_tma((k, k), False, rule="on")  # padded head dims
+    assert not fwd.use_tma((k, k.transpose(2, 3)), True, rule="on")  # head dim not contiguous
     odd = torch.randn(1, 2, 64, 36, dtype=torch.bfloat16)[..., :32]  # 72-byte rows
-    assert not fwd.use_tma((k, odd), True, force=True)
+    assert not fwd.use_tma((k, odd), True, rule="on")
     rows = torch.randn(1, 2, 1, 32, dtype=torch.bfloat16).expand(1, 2, 64, 32)  # one row repeated
-    assert not fwd.use_tma((k, rows), True, force=True)
+    assert not fwd.use_tma((k, rows), True, rule="on")
 
 
 def test_triton_imported_before_flexcore_on_a_machine_without_gpu():
@@ -401,8 +401,7 @@ def test_schedule_only_where_rows_differ_and_are_long():
 def test_longest_first_launch_matches_reference(monkeypatch, shape, options, group, mod_name):
     from flexcore.kernels import forward as fwd
 
-    monkeypatch.setattr(fwd, "SCHEDULE_GROUP", group)
-    monkeypatch.setattr(fwd, "SCHEDULE_MIN_BLOCKS", 0.0)
+    options = policy_options(options, forward={"schedule_group": group, "schedule_min_blocks": 0.0})
     used = []
     schedule = fwd.BlockTensors.schedule
 
@@ -457,8 +456,7 @@ def test_warp_specialized_dense_path_reads_q_rows(monkeypatch, mod_name, layout)
     pointer path."""
     from flexcore.kernels import forward as fwd
 
-    monkeypatch.setattr(fwd, "TMA", True)
-    monkeypatch.setattr(fwd, "WARP_SPEC", True)
+    opts = policy_options(forward={"tma": "on", "warp_spec": "on"})
     seen = _ws_spy(monkeypatch)
     shape = Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=32, Dv=32, block=32)
     q, k, v, score_mod, bm = make_case(shape, mod_name, torch.bfloat16, seed_of("ws", mod_name, layout), DEVICE)
@@ -466,7 +464,8 @@ def test_warp_specialized_dense_path_reads_q_rows(monkeypatch, mod_name, layout)
         q = torch.zeros(2, 5, 160, 32, dtype=q.dtype)[:, :4, :150].copy_(q)
     elif layout == "heads_inner":
         q = q.transpose(1, 2).contiguous().transpose(1, 2)
-    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, return_lse=True)
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, return_lse=True,
+                              kernel_options=opts)
     assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"ws/{mod_name}/{layout}")
     assert seen == [layout != "heads_inner" and mod_name != "relative_table"]
     rows = fwd.q_rows_descriptor(q, True)
@@ -503,14 +502,10 @@ def test_dense_run_and_table_paths_match_reference(monkeypatch, mod_name, paths)
     """All-full masks take the dense loop, masks whose full blocks are consecutive step over them
     without reading indices, the rest read one index per tile; each against the float64 reference,
     at ragged lengths with GQA (the last key block is short)."""
-    from flexcore.kernels import forward as fwd
-
-    if paths == "tables":
-        monkeypatch.setattr(fwd, "DENSE", False)
-        monkeypatch.setattr(fwd, "FULL_RUNS", False)
+    opts = policy_options(forward={"dense": False, "full_runs": False}) if paths == "tables" else None
     seen = _path_spy(monkeypatch)
     shape = Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=32, Dv=32, block=32)
-    check_forward(shape, mod_name, torch.float32, seed=seed_of("paths", mod_name, paths))
+    check_forward(shape, mod_name, torch.float32, seed=seed_of("paths", mod_name, paths), kernel_options=opts)
     chosen = {"noop": (True, False), "softcap": (True, False), "stripes": (False, False)}
     expected = (False, False) if paths == "tables" else chosen.get(mod_name, (False, True))
     assert seen == [expected]

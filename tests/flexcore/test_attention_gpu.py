@@ -6,6 +6,7 @@ import torch
 
 from tests.flexcore.cases import GPU_SHAPES, MOD_NAMES, Shape
 from tests.flexcore.compare import seed_of
+from tests.flexcore.policies import policy_options
 from tests.flexcore.test_attention import check_forward
 
 pytestmark = [
@@ -32,10 +33,8 @@ def test_forward_gpu(shape, mod_name, dtype):
 @pytest.mark.parametrize("mod_name", MOD_NAMES)
 def test_forward_longest_first_gpu(monkeypatch, shape, mod_name):
     # Every mask through the longest-first launch (by default only rows of 8+ blocks take it).
-    from flexcore.kernels import forward as fwd
-
-    monkeypatch.setattr(fwd, "SCHEDULE_MIN_BLOCKS", 0.0)
-    options = None if shape.name == "gpu_1k" else {"autotune": False}
+    options = policy_options(None if shape.name == "gpu_1k" else {"autotune": False},
+                             forward={"schedule_min_blocks": 0.0})
     check_forward(shape, mod_name, torch.bfloat16, seed=seed_of("order", mod_name, shape.name),
                   kernel_options=options, device="cuda")
 
@@ -45,11 +44,8 @@ def test_forward_longest_first_gpu(monkeypatch, shape, mod_name):
 def test_forward_table_path_gpu(monkeypatch, shape, mod_name):
     # Full blocks read one index per tile (the path of masks whose full blocks are not one run;
     # the matrix above takes the dense and run paths wherever they apply).
-    from flexcore.kernels import forward as fwd
-
-    monkeypatch.setattr(fwd, "DENSE", False)
-    monkeypatch.setattr(fwd, "FULL_RUNS", False)
-    options = None if shape.name == "gpu_1k" else {"autotune": False}
+    options = policy_options(None if shape.name == "gpu_1k" else {"autotune": False},
+                             forward={"dense": False, "full_runs": False})
     check_forward(shape, mod_name, torch.bfloat16, seed=seed_of("tables", mod_name, shape.name),
                   kernel_options=options, device="cuda")
 
@@ -68,10 +64,8 @@ def test_forward_warp_specialized_dense_gpu(monkeypatch, shape, mod_name):
     # its results were wrong. The Gluon kernel (flexcore.kernels.hopper), which would serve noop
     # at head dim 128 on Hopper, is switched off: this tests the template.
     from flexcore.kernels import forward as fwd
-    from flexcore.kernels import hopper
 
-    monkeypatch.setattr(hopper, "HOPPER_DENSE", False)
-    monkeypatch.setattr(fwd, "WARP_SPEC", True)
+    opts = policy_options(forward={"warp_spec": "on"}, gluon={"dense": "off"})
     seen = []
     real = fwd._launcher
 
@@ -81,7 +75,8 @@ def test_forward_warp_specialized_dense_gpu(monkeypatch, shape, mod_name):
         return kernel, meta
 
     monkeypatch.setattr(fwd, "_launcher", spy)
-    check_forward(shape, mod_name, torch.bfloat16, seed=seed_of("ws", mod_name, shape.name), device="cuda")
+    check_forward(shape, mod_name, torch.bfloat16, seed=seed_of("ws", mod_name, shape.name), device="cuda",
+                  kernel_options=opts)
     assert seen == [mod_name != "relative_table"]
 
 
@@ -149,17 +144,15 @@ def test_direct_launches_gpu(monkeypatch, D):
     def causal(b, h, i, j):
         return i >= j
 
-    def step(q):
+    def step(q, opts=None):
         bm = create_block_mask(causal, None, None, S, S, device="cuda")
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out = flex_attention(qq, kk, vv, score_mod=alibi, block_mask=bm)
+        out = flex_attention(qq, kk, vv, score_mod=alibi, block_mask=bm, kernel_options=opts)
         grads = torch.autograd.grad(out, (qq, kk, vv), do)
-        dec = flex_attention(q_dec, k, v, score_mod=alibi)
+        dec = flex_attention(q_dec, k, v, score_mod=alibi, kernel_options=opts)
         return (out.detach(), *grads, dec)
 
-    monkeypatch.setattr(launch, "DIRECT", False)
-    through_triton = step(q)
-    monkeypatch.setattr(launch, "DIRECT", True)
+    through_triton = step(q, policy_options(launch={"direct": False}))
     monkeypatch.setattr(launch, "_direct", {})
     step(q), step(q)  # tuning, then one launch through triton per specialisation
     calls = []
@@ -209,9 +202,9 @@ def test_plans_gpu(monkeypatch, decided, shape, mod_name, learnable):
     gen = torch.Generator().manual_seed(seed_of("plans_gpu", shape.name, mod_name, learnable))
     score_mod, gold_mod, caps, caps64, bm, refill = _mods(shape, mod_name, learnable, gen, "cuda")
 
-    def call(what, generator=gen):
+    def call(what, generator=gen, opts=None):
         return _check_call(shape, torch.bfloat16, generator, score_mod, gold_mod, caps, caps64, bm,
-                           what, device="cuda")
+                           what, device="cuda", kernel_options=opts)
 
     for i in range(2):
         call(f"call {i}")
@@ -225,8 +218,7 @@ def test_plans_gpu(monkeypatch, decided, shape, mod_name, learnable):
     assert decided == after_tuning, decided  # the later calls ran the plans
     seed = seed_of("plans_gpu_same", shape.name, mod_name)
     planned = call("plan", torch.Generator().manual_seed(seed))
-    monkeypatch.setattr(launch, "PLANS", False)
-    full = call("full path", torch.Generator().manual_seed(seed))
+    full = call("full path", torch.Generator().manual_seed(seed), policy_options(launch={"plans": False}))
     for name, a, b in zip(["out", "dq", "dk", "dv"], planned, full):
         assert torch.equal(a, b), name
 
@@ -236,15 +228,15 @@ def test_plans_gpu(monkeypatch, decided, shape, mod_name, learnable):
 @pytest.mark.parametrize("mod_name", ["document", "causal", "and_or", "alibi"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_forward_finer_tables_gpu(monkeypatch, shape, mod_name, dtype):
-    # Every mask over 64x64 tables (flexcore.kernels.forward.REFINE; by default only masks whose
+    # Every mask over 64x64 tables (the policy's forward.refine; by default only masks whose
     # partial blocks hide enough empty and full sub-blocks take them), ragged lengths, GQA, D=64.
     from flexcore.kernels import forward as fwd
     from tests.flexcore.test_refine import forward_tables_spy
 
-    monkeypatch.setattr(fwd, "REFINE", True)
     seen = forward_tables_spy(monkeypatch)
     monkeypatch.setattr(fwd, "_launcher", _pinned_launcher(fwd))
-    check_forward(shape, mod_name, dtype, seed=seed_of("finer", mod_name, shape.name, str(dtype)), device="cuda")
+    check_forward(shape, mod_name, dtype, seed=seed_of("finer", mod_name, shape.name, str(dtype)), device="cuda",
+                  kernel_options=policy_options(forward={"refine": "on"}))
     assert seen == [(64, 64)]
 
 

@@ -16,6 +16,7 @@ from flexcore.reference import flex_attention_reference
 from flexcore.testing import assert_close_to_reference
 from tests.flexcore.cases import CPU_SHAPES, GPU_SHAPES, MOD_NAMES, Shape, make_mods
 from tests.flexcore.compare import seed_of
+from tests.flexcore.policies import policy_options
 
 DEVICE = "cpu"
 
@@ -202,11 +203,11 @@ def test_delta_pass_runs_only_for_captured_gradients(monkeypatch):
     monkeypatch.setattr(bwd, "launch", lambda kernel, grid, args, bm, bn, meta, constexprs, **kw:
                         phases.append(constexprs["PHASE"]) or real(kernel, grid, args, bm, bn, meta,
                                                                    constexprs, **kw))
-    monkeypatch.setattr(bwd, "FUSED", False)
-    check_backward(_SMALL, "causal", torch.bfloat16, seed=4)
+    opts = policy_options(backward={"fused": "off"})
+    check_backward(_SMALL, "causal", torch.bfloat16, seed=4, kernel_options=opts)
     assert phases == [1, 2]
     phases.clear()
-    check_backward(_SMALL, "causal", torch.bfloat16, seed=5, learnable="temperature")
+    check_backward(_SMALL, "causal", torch.bfloat16, seed=5, learnable="temperature", kernel_options=opts)
     assert phases == [3, 1, 2]
 
 
@@ -218,15 +219,16 @@ def test_launch_layouts(monkeypatch, fused, tma):
     blocks and captured-tensor gradients."""
     from flexcore.kernels import backward as bwd
 
-    monkeypatch.setattr(bwd, "FUSED", fused)
-    monkeypatch.setattr(bwd, "TMA", tma)
+    opts = policy_options(backward={"fused": "on" if fused else "off", "tma": "on" if tma else "off"})
     used = []
     real = bwd.use_tma
     monkeypatch.setattr(bwd, "use_tma", lambda *a: used.append(real(*a)) or used[-1])
     shape = Shape("gqa_ragged_tma", B=2, Hq=4, Hkv=2, L=70, S=90, D=32, Dv=32, block=(32, 64))
-    check_backward(shape, "causal", torch.float32, seed=seed_of("layout", fused, tma), learnable="alibi_slope")
-    check_backward(shape, "causal", torch.bfloat16, seed=seed_of("layout16", fused, tma), learnable="alibi_slope")
-    check_backward(shape, "document", torch.bfloat16, seed=seed_of("layout-doc", fused, tma))
+    check_backward(shape, "causal", torch.float32, seed=seed_of("layout", fused, tma), learnable="alibi_slope",
+                   kernel_options=opts)
+    check_backward(shape, "causal", torch.bfloat16, seed=seed_of("layout16", fused, tma), learnable="alibi_slope",
+                   kernel_options=opts)
+    check_backward(shape, "document", torch.bfloat16, seed=seed_of("layout-doc", fused, tma), kernel_options=opts)
     assert used == [tma, tma, tma]  # descriptors are off unless asked for
 
 
@@ -258,12 +260,12 @@ def test_one_launch_out_of_shared_memory_splits(monkeypatch):
         return type("M", (), {"__name__": m.__name__, "flex_bwd_preprocess": m.flex_bwd_preprocess,
                               "flex_bwd_kernel": Wrapped(m.flex_bwd_kernel)})
 
-    monkeypatch.setattr(bwd, "FUSED", True)
+    opts = policy_options(backward={"fused": "on"})
     monkeypatch.setattr(bwd, "backward_module", module)
     monkeypatch.setattr(bwd, "_split", set())
-    check_backward(_SMALL, "causal", torch.float32, seed=31)
+    check_backward(_SMALL, "causal", torch.float32, seed=31, kernel_options=opts)
     assert phases == [0, 1, 2]
-    check_backward(_SMALL, "causal", torch.float32, seed=32)
+    check_backward(_SMALL, "causal", torch.float32, seed=32, kernel_options=opts)
     assert phases == [0, 1, 2, 1, 2]
 
 
@@ -481,10 +483,10 @@ def _spy_p_from_lse(monkeypatch, bwd) -> list:
     seen = []
     real = bwd.run
 
-    def spy(kernel, grid, args, kwargs):
+    def spy(kernel, grid, args, kwargs, *rest):
         if "P_FROM_LSE" in kwargs and "BLOCK_M" in kwargs:  # flex_bwd_preprocess
             seen.append(kwargs["P_FROM_LSE"])
-        return real(kernel, grid, args, kwargs)
+        return real(kernel, grid, args, kwargs, *rest)
 
     monkeypatch.setattr(bwd, "run", spy)
     return seen
@@ -498,14 +500,14 @@ def _spy_p_from_lse(monkeypatch, bwd) -> list:
     ("document", torch.bfloat16, 8), ("alibi", torch.bfloat16, 8)])
 def test_probabilities_from_lse2_or_row_stats(monkeypatch, p_from_lse, mod_name, dtype, L):
     """16-bit inputs recompute p = exp2(s - lse2) (lse2 from the preprocessing kernel) unless
-    P_FROM_LSE is off; float32 always uses (m, 1/l). Both against the float64 gradients, at ragged
+    the policy's backward.p_from_lse is off; float32 always uses (m, 1/l). Both against the float64 gradients, at ragged
     lengths with GQA, after the forward kernel and after the decode kernel."""
     from flexcore.kernels import backward as bwd
 
-    monkeypatch.setattr(bwd, "P_FROM_LSE", p_from_lse)
     seen = _spy_p_from_lse(monkeypatch, bwd)
     shape = Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=L, S=200, D=32, Dv=32, block=32)
-    check_backward(shape, mod_name, dtype, seed=seed_of("bwd_lse2", mod_name, p_from_lse, str(dtype), L))
+    check_backward(shape, mod_name, dtype, seed=seed_of("bwd_lse2", mod_name, p_from_lse, str(dtype), L),
+                   kernel_options=policy_options(backward={"p_from_lse": p_from_lse}))
     assert seen == [p_from_lse and dtype != torch.float32]
 
 
@@ -515,13 +517,10 @@ def test_run_and_table_paths(monkeypatch, mod_name, paths):
     """Full blocks stepped over as one run per row (dK/dV over the transposed tables, dQ over the
     key-block tables) or read from the tables, against the float64 gradients, at ragged lengths
     with GQA; which rows form runs is read from the tables."""
-    from flexcore.kernels import backward as bwd
     from flexcore.kernels import forward as fwd
 
-    if paths == "tables":
-        for module in (fwd, bwd):
-            monkeypatch.setattr(module, "FULL_RUNS", False)
-        monkeypatch.setattr(fwd, "DENSE", False)
+    opts = (policy_options(forward={"full_runs": False, "dense": False}, backward={"full_runs": False})
+            if paths == "tables" else None)
     seen = []
     real = fwd.BlockTensors.full_runs
 
@@ -531,7 +530,7 @@ def test_run_and_table_paths(monkeypatch, mod_name, paths):
 
     monkeypatch.setattr(fwd.BlockTensors, "full_runs", spy)
     shape = Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=32, Dv=32, block=32)
-    check_backward(shape, mod_name, torch.float32, seed=seed_of("bwd_paths", mod_name, paths))
+    check_backward(shape, mod_name, torch.float32, seed=seed_of("bwd_paths", mod_name, paths), kernel_options=opts)
     # The forward asks about its key-block tables (not on the dense path), then the backward about
     # the transposed tables and the key-block tables. A stripe of full keys is full for every query.
     expected = {"noop": [True, True], "stripes": [False, True, False]}.get(mod_name, [True] * 3)
@@ -548,16 +547,16 @@ def test_one_read_back_per_new_mask(monkeypatch, head_dim, mod_name, expected):
     statistics of the key-block tables and, where the backward will use them, of the transposed
     tables together (the first step's gradients against the float64 reference). Two more steps
     with another mask: one read-back for the first, none for the second, the same gradients."""
-    from flexcore.kernels import forward as fwd
+    from flexcore.kernels import tables
 
     calls = []
-    real = fwd._read_back
+    real = tables._read_back
 
     def spy(values):
         calls.append(tuple(values.shape))
         return real(values)
 
-    monkeypatch.setattr(fwd, "_read_back", spy)
+    monkeypatch.setattr(tables, "_read_back", spy)
     shape = Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=head_dim, Dv=head_dim, block=32)
     check_backward(shape, mod_name, torch.float32, seed=seed_of("readback", mod_name, head_dim))
     assert calls == expected
@@ -589,9 +588,9 @@ def _bwd_launch_spy(monkeypatch, record) -> None:
         record({names[0]: bm, names[1]: bn, **constexprs})
         return real_launch(kernel, grid, args, bm, bn, meta, constexprs, **kw)
 
-    def run_spy(kernel, grid, args, kwargs):
+    def run_spy(kernel, grid, args, kwargs, *rest):
         record(kwargs)
-        return real_run(kernel, grid, args, kwargs)
+        return real_run(kernel, grid, args, kwargs, *rest)
 
     monkeypatch.setattr(bwd, "launch", launch_spy)
     monkeypatch.setattr(bwd, "run", run_spy)
@@ -621,15 +620,12 @@ _WS_SHAPE = Shape("square_ws", B=2, Hq=3, Hkv=3, L=128, S=256, D=32, Dv=32, bloc
     (Shape("gqa", B=1, Hq=4, Hkv=2, L=128, S=128, D=32, Dv=32, block=32), "noop", True, False),
 ], ids=["noop", "softcap", "relative_table", "alibi", "ragged_gqa", "gqa"])
 def test_dense_and_warp_specialized_backward(monkeypatch, shape, mod_name, dense, ws):
-    """With DENSE and WARP_SPEC forced: all-full masks take the dense loops, warp-specialized (every
+    """With the policy's backward.dense and warp_spec forced: all-full masks take the dense loops, warp-specialized (every
     tile and row read through descriptors over all rows; under the interpreter the loops run
     unspecialized) where the layout, GQA, lengths and mod allow; bf16 gradients against float64."""
-    from flexcore.kernels import backward as bwd
-
-    monkeypatch.setattr(bwd, "DENSE", True)
-    monkeypatch.setattr(bwd, "WARP_SPEC", True)
     seen = _bwd_path_spy(monkeypatch)
-    check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("bwd_ws", mod_name, shape.name))
+    check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("bwd_ws", mod_name, shape.name),
+                   kernel_options=policy_options(backward={"dense": "on", "warp_spec": "on"}))
     assert seen and all(flags[1:] == (dense, ws, ws) for flags in seen), seen
 
 
@@ -689,16 +685,15 @@ def test_warp_spec_rows_follow_the_layout(monkeypatch):
     padded strides qualify, heads-inner memory does not, and then none of the four tensors does."""
     from flexcore.kernels import backward as bwd
 
-    monkeypatch.setattr(bwd, "WARP_SPEC", True)
     x = torch.randn(2, 3, 64, 32, dtype=torch.bfloat16)
     padded = torch.zeros(2, 4, 80, 32, dtype=torch.bfloat16)[:, :3, :64]
     heads_inner = x.transpose(1, 2).contiguous().transpose(1, 2)
-    assert bwd._warp_spec_rows(x, x, x, x, True) == (2 * 3 * 64,) * 4
-    assert bwd._warp_spec_rows(padded, x, x, x, True) == (4 * 80 + 2 * 80 + 64, 384, 384, 384)
-    assert bwd._warp_spec_rows(x, x, x, heads_inner, True) == (0, 0, 0, 0)
-    assert bwd._warp_spec_rows(x, x, x, x, False) == (0, 0, 0, 0)
+    assert bwd._warp_spec_rows(x, x, x, x, True, "on") == (2 * 3 * 64,) * 4
+    assert bwd._warp_spec_rows(padded, x, x, x, True, "on") == (4 * 80 + 2 * 80 + 64, 384, 384, 384)
+    assert bwd._warp_spec_rows(x, x, x, heads_inner, True, "on") == (0, 0, 0, 0)
+    assert bwd._warp_spec_rows(x, x, x, x, False, "on") == (0, 0, 0, 0)
     odd = torch.randn(2, 3, 64, 48, dtype=torch.bfloat16)  # head dim padded to 64: no descriptors
-    assert bwd._warp_spec_rows(odd, odd, odd, odd, True) == (0, 0, 0, 0)
+    assert bwd._warp_spec_rows(odd, odd, odd, odd, True, "on") == (0, 0, 0, 0)
 
 
 def test_backward_of_a_mask_without_q_tables():
@@ -771,13 +766,13 @@ def test_backward_gpu(shape_name, mod_name, dtype):
                    device="cuda")
 
 
-def _template_backward(monkeypatch) -> None:
-    """These GPU tests test the Triton template's backward: the Gluon backward of
+def _template_backward(**families):
+    """Kernel options for GPU tests of the Triton template's backward: the Gluon backward of
     flexcore.kernels.hopper, which would serve their identity-score_mod cases at head dim 128 on an
-    sm_90 GPU, is switched off (tests/flexcore/test_hopper.py tests it)."""
-    from flexcore.kernels import hopper
-
-    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", False)
+    sm_90 GPU, is switched off (tests/flexcore/test_hopper.py tests it); ``families`` as
+    policy_options takes them."""
+    gluon = dict(families.pop("gluon", {}), backward="off")
+    return policy_options(gluon=gluon, **families)
 
 
 _TEMPLATE_CASES = [(s, m) for s in ("gpu_1k", "gpu_gqa") for m in ("noop", "causal", "sliding_window",
@@ -789,9 +784,9 @@ _TEMPLATE_CASES = [(s, m) for s in ("gpu_1k", "gpu_gqa") for m in ("noop", "caus
 @pytest.mark.parametrize("shape_name,mod_name", _TEMPLATE_CASES, ids=[f"{s}-{m}" for s, m in _TEMPLATE_CASES])
 def test_backward_template_gpu(monkeypatch, shape_name, mod_name):
     # The masks the Gluon backward serves at head dim 128, on the Triton template it falls back to.
-    _template_backward(monkeypatch)
     check_backward(_GPU_SHAPES[shape_name], mod_name, torch.bfloat16,
-                   seed=seed_of("gpu_template", mod_name, shape_name), device="cuda")
+                   seed=seed_of("gpu_template", mod_name, shape_name), device="cuda",
+                   kernel_options=_template_backward())
 
 
 @pytest.mark.gpu
@@ -800,17 +795,12 @@ def test_backward_template_gpu(monkeypatch, shape_name, mod_name):
                                                  ("gpu_ragged", "prefix_lm"), ("gpu_ragged", "document"),
                                                  ("gpu_gqa", "sliding_window"), ("gpu_ragged", "stripes")])
 def test_backward_table_path_gpu(monkeypatch, shape_name, mod_name):
-    _template_backward(monkeypatch)
     # Every full block read from the tables (the matrix above steps over runs wherever they apply);
     # stripes has no runs on either path.
-    from flexcore.kernels import backward as bwd
-    from flexcore.kernels import forward as fwd
-
-    if mod_name != "stripes":
-        for module in (fwd, bwd):
-            monkeypatch.setattr(module, "FULL_RUNS", False)
+    opts = (_template_backward() if mod_name == "stripes"
+            else _template_backward(forward={"full_runs": False}, backward={"full_runs": False}))
     check_backward(_GPU_SHAPES[shape_name], mod_name, torch.bfloat16,
-                   seed=seed_of("gpu_tables", mod_name, shape_name), device="cuda")
+                   seed=seed_of("gpu_tables", mod_name, shape_name), device="cuda", kernel_options=opts)
 
 
 @pytest.mark.gpu
@@ -818,14 +808,13 @@ def test_backward_table_path_gpu(monkeypatch, shape_name, mod_name):
 @pytest.mark.parametrize("shape_name,mod_name", [("gpu_1k", "causal"), ("gpu_1k", "softcap"),
                                                  ("gpu_ragged", "document"), ("gpu_d256", "alibi")])
 def test_backward_row_stats_path_gpu(monkeypatch, shape_name, mod_name):
-    _template_backward(monkeypatch)
     # 16-bit inputs with probabilities from (m, 1/l) instead of lse2 (test_backward_gpu covers lse2).
     from flexcore.kernels import backward as bwd
 
-    monkeypatch.setattr(bwd, "P_FROM_LSE", False)
     seen = _spy_p_from_lse(monkeypatch, bwd)
     check_backward(_GPU_SHAPES[shape_name], mod_name, torch.bfloat16,
-                   seed=seed_of("gpu_rowstats", mod_name, shape_name), device="cuda")
+                   seed=seed_of("gpu_rowstats", mod_name, shape_name), device="cuda",
+                   kernel_options=_template_backward(backward={"p_from_lse": False}))
     assert seen == [False]
 
 
@@ -842,17 +831,12 @@ def test_backward_dense_and_warp_specialized_gpu(monkeypatch, shape_name, mod_na
     """The dense backward and its warp-specialized loops on the GPU (compiled with the
     specialization), by the default rule or forced, against float64; 4-warp tiles (head dim 64),
     captured tensors, GQA and ragged lengths fall back."""
-    _template_backward(monkeypatch)
-    from flexcore.kernels import backward as bwd
-
     shape = _GPU_SHAPES.get(shape_name) or Shape("gpu_ws64", B=2, Hq=4, Hkv=4, L=1024, S=1024, D=64,
                                                  Dv=64, block=128)
-    if forced:
-        monkeypatch.setattr(bwd, "DENSE", True)
-        monkeypatch.setattr(bwd, "WARP_SPEC", True)
+    opts = _template_backward(backward={"dense": "on", "warp_spec": "on"} if forced else {})
     seen = _bwd_path_spy(monkeypatch)
     check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("gpu_ws", mod_name, shape_name, forced),
-                   device="cuda")
+                   device="cuda", kernel_options=opts)
     assert seen and all(flags[1:] == (dense, ws, ws) for flags in seen), seen
 
 
@@ -862,11 +846,7 @@ def test_backward_dense_and_warp_specialized_gpu(monkeypatch, shape_name, mod_na
 def test_warp_specialized_backward_repeats_bit_identically_gpu(monkeypatch, mod_name):
     """dQ, dK and dV use no atomics, so repeated backward passes must agree bit for bit: a race in
     the warp-specialized loops (as seen once at 4 warps) would show as a difference or a NaN."""
-    _template_backward(monkeypatch)
-    from flexcore.kernels import backward as bwd
-
-    monkeypatch.setattr(bwd, "DENSE", True)
-    monkeypatch.setattr(bwd, "WARP_SPEC", True)
+    opts = _template_backward(backward={"dense": "on", "warp_spec": "on"})
     seen = _bwd_path_spy(monkeypatch)
     shape = Shape("gpu_ws_repeat", B=4, Hq=16, Hkv=16, L=2048, S=2048, D=128, Dv=128, block=128)
     gen = torch.Generator().manual_seed(seed_of("gpu_ws_repeat", mod_name))
@@ -875,7 +855,8 @@ def test_warp_specialized_backward_repeats_bit_identically_gpu(monkeypatch, mod_
     grad_out = torch.randn(q.shape, generator=gen).to("cuda", torch.bfloat16)
     first = None
     for _ in range(8):
-        grads = torch.autograd.grad(flex_attention(q, k, v, score_mod=score_mod), (q, k, v), grad_out)
+        grads = torch.autograd.grad(flex_attention(q, k, v, score_mod=score_mod, kernel_options=opts), (q, k, v),
+                                    grad_out)
         assert all(torch.isfinite(g).all() for g in grads)
         if first is None:
             first = grads
@@ -891,11 +872,10 @@ def test_warp_specialized_backward_repeats_bit_identically_gpu(monkeypatch, mod_
 def test_dq_tiles_by_mod_gpu(monkeypatch, fused, mod_name, dq_block_n):
     """At head dim 128 the dQ programs step over 64 keys with a score_mod or a dense mask and over
     128 with a partial mask alone (docs/decisions.md#backward-tiles), in either launch layout; gradients
-    against float64."""
-    _template_backward(monkeypatch)
-    from flexcore.kernels import backward as bwd
-
-    monkeypatch.setattr(bwd, "FUSED", fused)
+    against float64. On the mask's own 128x128 tables: the finer tables (forward.refine) take
+    64-key tiles of their own."""
+    layout = {None: "auto", True: "on", False: "off"}[fused]
+    opts = _template_backward(backward={"fused": layout}, forward={"refine": "off"})
     seen = set()
 
     def record(constexprs):  # one launch (PHASE 0) or the dQ programs' own (PHASE 2)
@@ -904,7 +884,7 @@ def test_dq_tiles_by_mod_gpu(monkeypatch, fused, mod_name, dq_block_n):
 
     _bwd_launch_spy(monkeypatch, record)
     check_backward(_GPU_SHAPES["gpu_1k"], mod_name, torch.bfloat16, seed=seed_of("gpu_dq_tiles", mod_name),
-                   device="cuda")
+                   device="cuda", kernel_options=opts)
     assert seen == {dq_block_n}, seen
 
 
@@ -923,20 +903,16 @@ def test_captured_gradients_gpu(learnable):
                          ids=["two-launches", "two-launches-tma", "one-launch", "one-launch-tma"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_launch_layouts_gpu(monkeypatch, fused, tma, head_dim):
-    _template_backward(monkeypatch)
-    from flexcore.kernels import backward as bwd
-
-    monkeypatch.setattr(bwd, "FUSED", fused)
-    monkeypatch.setattr(bwd, "TMA", tma)
+    opts = _template_backward(backward={"fused": "on" if fused else "off", "tma": "on" if tma else "off"})
     shape = Shape("gpu_layout", B=2, Hq=8, Hkv=2, L=1000, S=1531, D=head_dim, Dv=head_dim, block=128)
     check_backward(shape, "document", torch.bfloat16, seed=seed_of("gpulayout", fused, tma, head_dim),
-                   device="cuda")
+                   device="cuda", kernel_options=opts)
     check_backward(shape, "alibi", torch.bfloat16, seed=seed_of("gpulayout-alibi", fused, tma, head_dim),
-                   device="cuda")
+                   device="cuda", kernel_options=opts)
     check_backward(shape, "causal", torch.float32, seed=seed_of("gpulayout-cap", fused, tma, head_dim),
-                   learnable="alibi_slope", device="cuda")
+                   learnable="alibi_slope", device="cuda", kernel_options=opts)
     check_backward(shape, "causal", torch.bfloat16, seed=seed_of("gpulayout-cap16", fused, tma, head_dim),
-                   learnable="alibi_slope", device="cuda")
+                   learnable="alibi_slope", device="cuda", kernel_options=opts)
 
 
 @pytest.mark.gpu

@@ -55,6 +55,7 @@ def test_autotuned_candidates_compile_concurrently_and_once(monkeypatch):
     from flexcore.kernels import forward as F
     from flexcore.kernels import launch as L
     from tests.flexcore.compare import assert_matches_reference
+    from tests.flexcore.policies import policy_options
 
     submitted = []
 
@@ -63,7 +64,7 @@ def test_autotuned_candidates_compile_concurrently_and_once(monkeypatch):
             submitted.append(fn)
             return super().submit(fn, *args, **kwargs)
 
-    monkeypatch.setattr(L, "COMPILE_THREADS", 4)
+    opts = policy_options(launch={"compile_threads": 4})
     monkeypatch.setattr(L, "_pool", Spy(4))
     before = set(F._autotuners)
 
@@ -76,7 +77,7 @@ def test_autotuned_candidates_compile_concurrently_and_once(monkeypatch):
     gen = torch.Generator(device="cuda").manual_seed(seed_of("concurrent-compile"))
     q, k, v = (torch.randn(1, 4, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(3))
     bm = create_block_mask(causal, 1, 1, 1024, 1024, device="cuda")
-    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True)
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, return_lse=True, kernel_options=opts)
     tuned = [t for key, t in F._autotuners.items() if key not in before and isinstance(t, L.Tuned)]
     assert len(tuned) == 1
     configs = tuned[0].tuner.configs

@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexcore import AuxRequest, create_block_mask, flex_attention, noop_mask
+from flexcore import AuxRequest, KernelOptions, create_block_mask, flex_attention, noop_mask
 from flexcore.kernels import hopper
+from flexcore.kernels.forward import output_strides
+from flexcore.kernels.policy import DEFAULT_POLICY
 from tests.flexcore.cases import Shape
 from tests.flexcore.compare import assert_matches_reference, seed_of
-from flexcore.kernels.forward import output_strides
+from tests.flexcore.policies import policy_options
 from tests.flexcore.test_backward import check_backward
 
 
@@ -106,7 +108,7 @@ def test_not_used_off_the_gpu_or_when_switched_off(monkeypatch):
     opts = KernelOptions.from_any(None)
     if not torch.cuda.is_available():  # CPU tensors and the interpreter
         assert not hopper.applies(q, q, q, trivial, True, 0.1, opts)
-    monkeypatch.setattr(hopper, "HOPPER_DENSE", False)
+    opts = policy_options(gluon={"dense": "off"})
     assert not hopper.applies(q, q, q, trivial, True, 0.1, opts)
 
 
@@ -122,7 +124,7 @@ def test_backward_not_used_off_the_gpu_or_when_switched_off(monkeypatch):
                                    bm.BLOCK_SIZE, 1, 1)
     if not torch.cuda.is_available():  # CPU tensors and the interpreter
         assert not hopper.applies_backward(q, q, q, q, trivial, blocks, blocks, True, 0.1, opts)
-    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", False)
+    opts = policy_options(gluon={"backward": "off"})
     assert not hopper.applies_backward(q, q, q, q, trivial, blocks, blocks, True, 0.1, opts)
 
 
@@ -245,22 +247,23 @@ def test_union_tables_give_each_warpgroup_its_blocks(mask_name, N, S, batched):
     assert exclusive == pytest.approx(only_one / max(tiles, 1))
     if mask_name == "causal" and N == 4096:  # one tile per program, B's diagonal block (the last B is past the end)
         assert exclusive == pytest.approx(21 / sum(min(192 * p // 128 + 2, 32) for p in range(22)))
-        assert exclusive <= hopper.UNION_MAX_EXCLUSIVE
+        assert exclusive <= DEFAULT_POLICY.gluon.union_max_exclusive
 
 
 @pytest.mark.parametrize("mask_name, served", [("causal", True), ("prefix", True), ("documents", False)])
 def test_union_kernel_only_for_masks_whose_blocks_list_alike(monkeypatch, mask_name, served):
     # The three-warpgroup masked forward serves masks whose two mask blocks per program list mostly
-    # the same key blocks (UNION_MAX_EXCLUSIVE); others keep the template, unless forced.
+    # the same key blocks (gluon.union_max_exclusive); others keep the template, unless forced.
     from flexcore.kernels.forward import BlockTensors
     N = 4096
     bm = create_block_mask(_union_masks(N)[mask_name], None, None, N, N, device="cpu")
     blocks = BlockTensors.expanded(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
                                    bm.BLOCK_SIZE, 2, 2)
-    assert (hopper.masked_tables(blocks, N, N, 64) is not None) == served
-    assert hopper.masked_tables(blocks, N, N, 128)[0][0] is blocks.num_blocks  # two warpgroups: own tables
-    monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
-    table_args, has_full = hopper.masked_tables(blocks, N, N, 64)
+    default = KernelOptions()
+    assert (hopper.masked_tables(blocks, N, N, 64, default) is not None) == served
+    assert hopper.masked_tables(blocks, N, N, 128, default)[0][0] is blocks.num_blocks  # two warpgroups: own tables
+    opts = policy_options(gluon={"masked": "on"})
+    table_args, has_full = hopper.masked_tables(blocks, N, N, 64, opts)
     assert not has_full and table_args[0].shape == (2, 2, 22, 3)
 
 
@@ -268,7 +271,7 @@ def test_union_kernel_only_for_masks_whose_blocks_list_alike(monkeypatch, mask_n
                                         ("documents_1024", False)])
 def test_backward_long_rows(mask, long):
     # The Gluon backward serves masks whose rows, and the rows of their transpose, visit
-    # BACKWARD_MIN_MEAN_BLOCKS (8) blocks or more on average (a partial block counts 5/4): at 4k a
+    # gluon.backward_min_mean_blocks (8) blocks or more on average (a partial block counts 5/4): at 4k a
     # causal mask's rows average 16.75, a 1024-token sliding window's 8.31, causal documents of
     # 1024 tokens 4.75 and of 256 tokens 1.75.
     from flexcore.kernels.backward import q_block_tensors
@@ -289,7 +292,7 @@ def test_backward_long_rows(mask, long):
     kv = BlockTensors.expanded(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
                                bm.BLOCK_SIZE, 1, 1)
     q = q_block_tensors(bm, 1, 1)
-    assert hopper.long_rows(kv, q, N, N, hopper.BACKWARD_MIN_MEAN_BLOCKS) == long
+    assert hopper.long_rows(kv, q, N, N, DEFAULT_POLICY.gluon.backward_min_mean_blocks) == long
     assert hopper.long_rows(kv, q, N, N, 1.0)  # every mask here visits a block per row or more
 
 
@@ -339,13 +342,13 @@ _SHAPES_64 = [
 @pytest.mark.parametrize("mask", ["none", "noop_mask"])
 @pytest.mark.parametrize("scale", [None, 0.3])
 def test_forward_matches_reference(monkeypatch, shape, dtype, mask, scale):
-    monkeypatch.setattr(hopper, "HOPPER_DENSE", True)  # raises if the call is not served
+    opts = policy_options(gluon={"dense": "on"})  # raises if the call is not served
     calls = _spy(monkeypatch)
     gen = torch.Generator().manual_seed(seed_of("hopper", shape.name, str(dtype), mask, scale))
     q, k, v = (t.cuda() for t in shape.qkv(dtype, "cpu", gen))
     bm = None if mask == "none" else create_block_mask(noop_mask, None, None, shape.L, shape.S, device="cuda")
     gqa = shape.Hq != shape.Hkv
-    out, lse = flex_attention(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa, return_lse=True)
+    out, lse = flex_attention(q, k, v, block_mask=bm, scale=scale, enable_gqa=gqa, return_lse=True, kernel_options=opts)
     assert len(calls) == 1, "the Gluon forward did not run"
     assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper {shape.name} {dtype} {mask} {scale}",
                              scale=scale)
@@ -404,9 +407,9 @@ def test_falls_back_to_the_template(monkeypatch, case):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gradients_through_the_gluon_forward(monkeypatch, shape, dtype):
     # The backward reads the Gluon forward's lse and row statistics.
-    monkeypatch.setattr(hopper, "HOPPER_DENSE", True)
+    opts = policy_options(gluon={"dense": "on"})
     calls = _spy(monkeypatch)
-    check_backward(shape, "noop", dtype, seed=seed_of("hopper-bwd", shape.name, str(dtype)), device="cuda")
+    check_backward(shape, "noop", dtype, seed=seed_of("hopper-bwd", shape.name, str(dtype)), device="cuda", kernel_options=opts)
     assert calls
 
 
@@ -486,7 +489,7 @@ _MASKED_SHAPES = [_SHAPES[0], _SHAPES[1], _SHAPES[2], _SHAPES[5], *_SHAPES_64]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_masked_forward_matches_reference(monkeypatch, shape, mod_name, dtype):
     from tests.flexcore.cases import make_mods
-    monkeypatch.setattr(hopper, "HOPPER_MASKED", True)  # raises if the call is not served
+    opts = policy_options(gluon={"masked": "on"})  # raises if the call is not served
     calls = _spy_masked(monkeypatch)
     gen = torch.Generator().manual_seed(seed_of("hopper-masked", shape.name, mod_name, str(dtype)))
     q, k, v = (t.cuda() for t in shape.qkv(dtype, "cpu", gen))
@@ -494,12 +497,12 @@ def test_masked_forward_matches_reference(monkeypatch, shape, mod_name, dtype):
     assert score_mod is None
     bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device="cuda")
     gqa = shape.Hq != shape.Hkv
-    out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=gqa, return_lse=True)
+    out, lse = flex_attention(q, k, v, block_mask=bm, enable_gqa=gqa, return_lse=True, kernel_options=opts)
     assert calls == [True], "the masked Gluon forward did not run"
     assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper masked {shape.name} {mod_name} {dtype}")
     # a repeated call runs the plan, on new inputs
     q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
-    out2, lse2 = flex_attention(q2, k2, v2, block_mask=bm, enable_gqa=gqa, return_lse=True)
+    out2, lse2 = flex_attention(q2, k2, v2, block_mask=bm, enable_gqa=gqa, return_lse=True, kernel_options=opts)
     assert calls == [True, True]
     assert_matches_reference(q2, k2, v2, None, bm, out2, lse2, f"hopper masked again {shape.name} {mod_name}")
 
@@ -512,14 +515,14 @@ def test_masked_rows_without_keys(monkeypatch, case, D):
     # Rows with no listed block (n_tiles 0), rows that a partial block masks entirely (m = -inf
     # until a later tile), and masks with partial blocks only: output 0 and lse -inf where nothing
     # is kept, as the template and the reference.
-    monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
+    opts = policy_options(gluon={"masked": "on"})
     calls = _spy_masked(monkeypatch)
     L = S = 1024
     mask = _edge_mask(case)
     gen = torch.Generator().manual_seed(seed_of("hopper-empty", case, D))
     q, k, v = (torch.randn(2, 2, n, D, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
     bm = create_block_mask(mask, None, None, L, S, device="cuda")
-    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=opts)
     if case != "no_full_blocks":  # its % lowers to a helper that Gluon may not take (then: template)
         assert calls == [True]
     assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper masked {case} D={D}")
@@ -531,7 +534,7 @@ def test_masked_mod_that_gluon_does_not_take_falls_back(monkeypatch):
     # floor division lowers to a @triton.jit helper; whichever kernel runs, the result is right,
     # and a mask whose Gluon kernel failed to build is not tried again. (Its rows are short, so
     # only the forced switch makes the kernel try it.)
-    monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
+    opts = policy_options(gluon={"masked": "on"})
     calls = _spy_masked(monkeypatch)
     L = S = 1024
 
@@ -542,7 +545,7 @@ def test_masked_mod_that_gluon_does_not_take_falls_back(monkeypatch):
     q, k, v = (torch.randn(1, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
     bm = create_block_mask(mask, None, None, L, S, device="cuda")
     for _ in range(2):
-        out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+        out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=opts)
         assert_matches_reference(q, k, v, None, bm, out, lse, "hopper masked helper")
     # Either Gluon built it (the plan then replays it) or the first launch failed, the template ran,
     # and its plan serves the second call.
@@ -556,10 +559,10 @@ def test_masked_mod_that_gluon_does_not_take_falls_back(monkeypatch):
 @pytest.mark.parametrize("mod_name", ["causal", "document"])
 @pytest.mark.parametrize("shape", [_SHAPES[1], _SHAPES_64[1]], ids=lambda s: s.name)
 def test_gradients_through_the_masked_gluon_forward(monkeypatch, mod_name, shape):
-    monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
+    opts = policy_options(gluon={"masked": "on"})
     calls = _spy_masked(monkeypatch)
     check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("hopper-masked-bwd", mod_name, shape.name),
-                   device="cuda")
+                   device="cuda", kernel_options=opts)
     assert calls and all(calls)
 
 
@@ -568,7 +571,7 @@ def test_gradients_through_the_masked_gluon_forward(monkeypatch, mod_name, shape
 @pytest.mark.parametrize("rows_long", [True, False])
 @pytest.mark.parametrize("D", [64, 128])
 def test_masked_kernel_only_for_long_rows_by_default(monkeypatch, rows_long, D):
-    # By default the masked Gluon kernel serves masks whose rows visit MASKED_MIN_MEAN_BLOCKS key
+    # By default the masked Gluon kernel serves masks whose rows visit gluon.masked_min_mean_blocks key
     # blocks or more on average; shorter rows (documents of a few blocks) keep the template.
     calls = _spy_masked(monkeypatch)
     L = S = 4096
@@ -591,7 +594,7 @@ def _spy_backward(monkeypatch) -> list:
     return _spy_served(monkeypatch, "backward")
 
 
-def _check_grads(q, k, v, bm, what: str, enable_gqa=False, scale=None):
+def _check_grads(q, k, v, bm, what: str, enable_gqa=False, scale=None, kernel_options=None):
     """Forward + backward against the float64 reference, tolerances relative to torch's own error
     in the same dtype (as check_backward). Returns flexcore's gradients."""
     from flexcore.reference import flex_attention_reference
@@ -599,7 +602,7 @@ def _check_grads(q, k, v, bm, what: str, enable_gqa=False, scale=None):
     gen = torch.Generator().manual_seed(seed_of("hopper-grads", what))
     grad_out = torch.randn(q.shape[:3] + (v.shape[3],), generator=gen).to(q.device, q.dtype)
     inputs = [t.detach().requires_grad_() for t in (q, k, v)]
-    out = flex_attention(*inputs, block_mask=bm, enable_gqa=enable_gqa, scale=scale)
+    out = flex_attention(*inputs, block_mask=bm, enable_gqa=enable_gqa, scale=scale, kernel_options=kernel_options)
     ours = torch.autograd.grad(out, inputs, grad_out)
     gold_in = [t.detach().double().requires_grad_() for t in (q, k, v)]
     gold = flex_attention_reference(*gold_in, block_mask=bm, enable_gqa=enable_gqa, scale=scale, upcast=True)
@@ -622,10 +625,10 @@ _BACKWARD_SHAPES = _SHAPES[:5]
 @pytest.mark.parametrize("mod_name", ["noop", "causal", "sliding_window", "prefix_lm", "document"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_backward_matches_reference(monkeypatch, shape, mod_name, dtype):
-    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)  # raises if the call is not served
+    opts = policy_options(gluon={"backward": "on"})  # raises if the call is not served
     calls = _spy_backward(monkeypatch)
     check_backward(shape, mod_name, dtype, seed=seed_of("hopper-bwd-gluon", shape.name, mod_name, str(dtype)),
-                   device="cuda")
+                   device="cuda", kernel_options=opts)
     assert calls == [True], "the Gluon backward did not run"
 
 
@@ -635,7 +638,7 @@ def test_backward_matches_reference(monkeypatch, shape, mod_name, dtype):
 def test_backward_rows_without_keys(monkeypatch, case):
     # Rows that keep no key (lse2 = +inf: p = 0), rows a partial block masks entirely, partial
     # blocks only; and a scale other than the default.
-    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)
+    opts = policy_options(gluon={"backward": "on"})
     calls = _spy_backward(monkeypatch)
     L = S = 1024
     if case == "scale":
@@ -646,7 +649,7 @@ def test_backward_rows_without_keys(monkeypatch, case):
     gen = torch.Generator().manual_seed(seed_of("hopper-bwd-empty", case))
     q, k, v = (torch.randn(2, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
     bm = create_block_mask(mask, None, None, L, S, device="cuda")
-    _check_grads(q, k, v, bm, f"hopper bwd {case}", scale=0.3 if case == "scale" else None)
+    _check_grads(q, k, v, bm, f"hopper bwd {case}", scale=0.3 if case == "scale" else None, kernel_options=opts)
     if case != "no_full_blocks":  # its % lowers to a helper that Gluon may not take (then: template)
         assert calls == [True]
 
@@ -657,7 +660,7 @@ def test_backward_rows_without_keys(monkeypatch, case):
 def test_backward_layouts(monkeypatch, layout):
     # Views one (rows, D) descriptor reads: every other head, padded rows, and K/V of batch 1
     # shared across the batch (batch stride 0) under GQA, whose dK/dV sum over the batch.
-    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)
+    opts = policy_options(gluon={"backward": "on"})
     calls = _spy_backward(monkeypatch)
     B, H, N, D = 2, 4, 1024, 128
     gen = torch.Generator().manual_seed(seed_of("hopper-bwd-layout", layout))
@@ -673,7 +676,7 @@ def test_backward_layouts(monkeypatch, layout):
     q = make()
     k, v = (make(1, 2), make(1, 2)) if gqa else (make(), make())
     bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, N, N, device="cuda")
-    _check_grads(q, k, v, bm, f"hopper bwd layout {layout}", enable_gqa=gqa)
+    _check_grads(q, k, v, bm, f"hopper bwd layout {layout}", enable_gqa=gqa, kernel_options=opts)
     assert calls == [True]
 
 
@@ -718,11 +721,11 @@ def test_backward_is_the_templates_bit_for_bit(monkeypatch, mask):
     bm = None if mods[mask] is None else create_block_mask(mods[mask], None, None, 2048, 2048, device="cuda")
     calls = _spy_backward(monkeypatch)
     # The template over the mask's own tables (not the finer ones its rule may take for the window).
-    monkeypatch.setattr("flexcore.kernels.forward.REFINE", False)
-    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)  # the window's rows are short at 2k
-    gluon = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm), (q, k, v), go)
-    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", False)
-    template = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm), (q, k, v), go)
+    # The window's rows are short at 2k: the Gluon backward is forced.
+    opts = policy_options(forward={"refine": "off"}, gluon={"backward": "on"})
+    gluon = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm, kernel_options=opts), (q, k, v), go)
+    opts = policy_options(forward={"refine": "off"}, gluon={"backward": "off"})
+    template = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm, kernel_options=opts), (q, k, v), go)
     assert calls == [True]
     for name, a, b in zip(("dq", "dk", "dv"), gluon, template):
         assert torch.equal(a, b), f"{mask} {name}: max difference {(a.float() - b.float()).abs().max().item()}"
@@ -770,9 +773,9 @@ def test_backward_lse_gradient(monkeypatch, shape, mod_name):
     # float64 autograd of (out * g).sum() + (lse * h).sum(), tolerances relative to torch's bf16.
     from tests.flexcore.test_lse_grad import check_lse_grads
 
-    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)  # raises if the call is not served
+    opts = policy_options(gluon={"backward": "on"})  # raises if the call is not served
     calls = _spy_backward(monkeypatch)
-    check_lse_grads(shape, mod_name, torch.bfloat16, seed_of("hopper-lse-grad", shape.name, mod_name), device="cuda")
+    check_lse_grads(shape, mod_name, torch.bfloat16, seed_of("hopper-lse-grad", shape.name, mod_name), device="cuda", opts=opts)
     assert calls == [True], "the Gluon backward did not run"
 
 
@@ -789,12 +792,11 @@ def test_backward_lse_gradient_is_the_templates_bit_for_bit(monkeypatch, mask):
     grad_lse = torch.randn(q.shape[:3], generator=gen).to("cuda")
     bm = None if mask == "noop" else create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, 1024, 1024,
                                                        device="cuda")
-    monkeypatch.setattr("flexcore.kernels.forward.REFINE", False)
     calls = _spy_backward(monkeypatch)
-    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", True)
-    *_, gluon = kernel_grads(q, k, v, None, bm, grad_out, grad_lse)
-    monkeypatch.setattr(hopper, "HOPPER_BACKWARD", False)
-    *_, template = kernel_grads(q, k, v, None, bm, grad_out, grad_lse)
+    opts = policy_options(forward={"refine": "off"}, gluon={"backward": "on"})
+    *_, gluon = kernel_grads(q, k, v, None, bm, grad_out, grad_lse, opts=opts)
+    opts = policy_options(forward={"refine": "off"}, gluon={"backward": "off"})
+    *_, template = kernel_grads(q, k, v, None, bm, grad_out, grad_lse, opts=opts)
     assert calls == [True]
     for name, a, b in zip(("dq", "dk", "dv"), gluon, template):
         assert torch.equal(a, b), f"{mask} {name}: max difference {(a.float() - b.float()).abs().max().item()}"
@@ -809,17 +811,17 @@ def test_lse_is_inf_where_a_score_is_inf(monkeypatch, D, mask):
     from flexcore.reference import flex_attention_reference
 
     if mask == "noop":
-        monkeypatch.setattr(hopper, "HOPPER_DENSE", True)
+        opts = policy_options(gluon={"dense": "on"})
         calls = _spy(monkeypatch)
     else:
-        monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
+        opts = policy_options(gluon={"masked": "on"})
         calls = _spy_masked(monkeypatch)
     gen = torch.Generator().manual_seed(seed_of("hopper-inf", D, mask))
     q, k, v = (torch.randn(1, 2, 1024, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
     k[0, 0, 5, 0] = float("inf")
     bm = None if mask == "noop" else create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, 1024, 1024,
                                                        device="cuda")
-    out, aux = flex_attention(q, k, v, block_mask=bm, return_aux=AuxRequest(lse=True))
+    out, aux = flex_attention(q, k, v, block_mask=bm, return_aux=AuxRequest(lse=True), kernel_options=opts)
     lse = aux.lse
     assert calls and all(calls), "the Gluon forward did not run"
     gold, gold_lse = flex_attention_reference(q, k, v, block_mask=bm, return_lse=True)

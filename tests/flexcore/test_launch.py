@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from flexcore.kernels import launch as L
+from flexcore.kernels.policy import LaunchPolicy
 
 
 class _Param:
@@ -64,7 +65,6 @@ def gpu_like(monkeypatch):
     monkeypatch.setattr(L, "_supported", lambda: True)
     monkeypatch.setattr(L, "_stream", lambda device: 77 + device)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(L, "DIRECT", True)
     monkeypatch.setattr(L, "_direct", {})
     monkeypatch.setattr(L, "_fallback_cache", {})
 
@@ -138,11 +138,10 @@ def test_launches_that_specialise_differently_go_through_triton(gpu_like, monkey
     assert len(kernel.slow) == 2
 
 
-def test_direct_launches_can_be_switched_off(gpu_like, monkeypatch):
+def test_direct_launches_can_be_switched_off(gpu_like):
     kernel = _Kernel()
-    monkeypatch.setattr(L, "DIRECT", False)
     for _ in range(3):
-        L.run(kernel, (1,), (_x(), 5, 1.0), {"BLOCK": 64})
+        L.run(kernel, (1,), (_x(), 5, 1.0), {"BLOCK": 64}, LaunchPolicy(direct=False))
     assert len(kernel.slow) == 3 and not L._direct
 
 
@@ -319,12 +318,12 @@ def test_tuned_compiles_every_configuration_concurrently_before_tuning(gpu_like,
     """The first call for a key compiles all the autotuner's configurations at once, in triton's
     asynchronous compile mode, each fitted first; a configuration that fails to compile is left to
     the autotuner; later calls and other keys of the same configurations compile nothing more."""
-    monkeypatch.setattr(L, "COMPILE_THREADS", threads)
+    policy = LaunchPolicy(compile_threads=threads)
     monkeypatch.setattr(L, "_pool", None)
     kernel = _Kernel(names=("x", "n", "scale", "BLOCK_M"), fail_above=32)  # BLOCK_M=64 fails
     seen = []
     tuner = L.Tuned(_Tuner(kernel), fit=lambda args, meta: seen.append(meta["BLOCK_M"]))
-    tuner.launch(lambda meta: (1,), (_x(), 5, 1.0), {"FLAG": False}, key=(3,))
+    tuner.launch(lambda meta: (1,), (_x(), 5, 1.0), {"FLAG": False}, key=(3,), policy=policy)
     assert tuner.tuner.tunings == 1
     if threads < 2:
         assert kernel.warmed == [] and seen == []
@@ -332,15 +331,14 @@ def test_tuned_compiles_every_configuration_concurrently_before_tuning(gpu_like,
     assert [(n, kw["BLOCK_M"], kw["num_warps"], kw["FLAG"], mode) for n, kw, mode in kernel.warmed] == [
         (5, 64, 4, False, True), (5, 32, 4, False, True)]
     assert seen == [64, 32]
-    tuner.launch(lambda meta: (1,), (_x(), 6, 1.0), {"FLAG": False}, key=(3,))
+    tuner.launch(lambda meta: (1,), (_x(), 6, 1.0), {"FLAG": False}, key=(3,), policy=policy)
     assert len(kernel.warmed) == 2  # tuned: launched, nothing compiled ahead
-    tuner.launch(lambda meta: (1,), (_x(), 7, 1.0), {"FLAG": False}, key=(4,))
+    tuner.launch(lambda meta: (1,), (_x(), 7, 1.0), {"FLAG": False}, key=(4,), policy=policy)
     assert len(kernel.warmed) == 4 and tuner.tuner.tunings == 2  # a new key tunes (triton's cache hits)
 
 
 def test_compile_threads_follow_the_setting_the_environment_and_the_cores(monkeypatch):
     monkeypatch.setattr(L, "_pool", None)
-    monkeypatch.setattr(L, "COMPILE_THREADS", None)
     monkeypatch.delenv("FLEXLAB_COMPILE_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 1)
     assert L.compile_threads() == 1 and L._compile_pool(3) is None
@@ -355,9 +353,7 @@ def test_compile_threads_follow_the_setting_the_environment_and_the_cores(monkey
     assert L.compile_threads() == 1 and L._compile_pool(3) is None
     monkeypatch.setenv("FLEXLAB_COMPILE_THREADS", "3")
     assert L.compile_threads() == 3
-    monkeypatch.setattr(L, "COMPILE_THREADS", 0)  # the module setting wins
-    assert L.compile_threads() == 0 and L._compile_pool(3) is None
-    monkeypatch.setattr(L, "COMPILE_THREADS", None)
+    assert L.compile_threads(0) == 0 and L._compile_pool(3, 0) is None  # the policy's setting wins
     monkeypatch.setenv("FLEXLAB_COMPILE_THREADS", "many")
     with pytest.raises(ValueError, match="FLEXLAB_COMPILE_THREADS='many': expected a number of threads"):
         L.compile_threads()
@@ -392,17 +388,17 @@ def test_recording_sees_what_a_plan_can_launch(gpu_like):
 
 
 def test_plan_keys_follow_the_launch_environment(gpu_like, monkeypatch):
-    assert L.plan_key("forward", 1) == ((0, L._triton_knobs().runtime.debug,
-                                         getattr(L._triton_knobs().compilation, "instrumentation_mode", None)),
-                                        "forward", 1)
+    default = LaunchPolicy()
+    assert L.plan_key(default, "forward", 1) == ((0, L._triton_knobs().runtime.debug,
+                                                  getattr(L._triton_knobs().compilation, "instrumentation_mode",
+                                                          None)),
+                                                 "forward", 1)
     monkeypatch.setattr(L, "_hooks_installed", lambda: True)   # a profiler: launches through triton
-    assert L.plan_key("forward", 1) is None
+    assert L.plan_key(default, "forward", 1) is None
     monkeypatch.setattr(L, "_hooks_installed", lambda: False)
-    monkeypatch.setattr(L, "PLANS", False)
-    assert L.plan_key("forward", 1) is None
-    monkeypatch.setattr(L, "PLANS", True)
+    assert L.plan_key(LaunchPolicy(plans=False), "forward", 1) is None
     monkeypatch.setattr(L, "use_interpreter", lambda: True)
-    assert L.plan_key("forward", 1) == (("interpreter",), "forward", 1)
+    assert L.plan_key(default, "forward", 1) == (("interpreter",), "forward", 1)
 
 
 def test_recording_is_per_thread(gpu_like):

@@ -22,6 +22,7 @@ from flexcore.reference import flex_attention_reference
 from flexcore.testing import assert_close_to_reference
 from tests.flexcore.cases import Shape, make_mods
 from tests.flexcore.compare import seed_of
+from tests.flexcore.policies import policy_options
 
 DEVICE = "cpu"
 
@@ -138,15 +139,15 @@ def test_lse_gradient_on_every_template_path(monkeypatch, case):
     """grad_lse enters every layout and loop of the template backward: two launches and one, lse2
     and (m, 1/l) probabilities, block tables and runs of full blocks, ragged and GQA shapes, the dense
     and warp-specialized loops, and the rows of the decode kernel's forward."""
-    monkeypatch.setattr(bwd, "FUSED", case == "fused")
+    backward = {"fused": "on" if case == "fused" else "off"}
+    forward = {}
     if case == "bf16_row_stats":
-        monkeypatch.setattr(bwd, "P_FROM_LSE", False)
+        backward["p_from_lse"] = False
     if case == "tables":
-        monkeypatch.setattr(bwd, "FULL_RUNS", False)
-        monkeypatch.setattr(fwd, "FULL_RUNS", False)
+        backward["full_runs"] = forward["full_runs"] = False
     if case in ("dense", "warp_spec"):
-        monkeypatch.setattr(bwd, "DENSE", True)
-        monkeypatch.setattr(bwd, "WARP_SPEC", case == "warp_spec")
+        backward.update(dense="on", warp_spec="on" if case == "warp_spec" else "off")
+    opts = policy_options(forward=forward, backward=backward)
     seen = []
     real = bwd.launch
 
@@ -159,7 +160,7 @@ def test_lse_gradient_on_every_template_path(monkeypatch, case):
                        "warp_spec": (WS, "noop"), "decode": (DECODE, "causal"),
                        "tables": (SMALL, "document"), "runs": (SMALL, "prefix_lm")}.get(case, (SMALL, "causal"))
     dtype = torch.bfloat16 if case in ("bf16_lse2", "bf16_row_stats", "gqa", "warp_spec", "decode") else torch.float32
-    check_lse_grads(shape, mod_name, dtype, seed_of("lse_grad", case))
+    check_lse_grads(shape, mod_name, dtype, seed_of("lse_grad", case), opts=opts)
     if case == "fused":
         assert seen == [], seen  # one launch goes through run, not launch
     else:
@@ -171,20 +172,20 @@ def test_lse_gradient_on_every_template_path(monkeypatch, case):
 @pytest.mark.parametrize("exact_delta", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lse_gradient_of_a_captured_tensor(monkeypatch, exact_delta, dtype):
-    """A learnable bias: with EXACT_DELTA the pass that recomputes delta = rowsum(P * dP) also takes
-    grad_lse off; without it the preprocessing kernel does."""
-    monkeypatch.setattr(bwd, "EXACT_DELTA", exact_delta)
+    """A learnable bias: with the policy's backward.exact_delta the pass that recomputes
+    delta = rowsum(P * dP) also takes grad_lse off; without it the preprocessing kernel does."""
+    opts = policy_options(backward={"exact_delta": exact_delta})
     phases = []
     real = bwd.launch
     monkeypatch.setattr(bwd, "launch", lambda kernel, grid, args, bm, bn, meta, constexprs, **kw: (
         phases.append(constexprs["PHASE"]), real(kernel, grid, args, bm, bn, meta, constexprs, **kw))[1])
-    check_lse_grads(SMALL, "causal", dtype, seed_of("lse_grad_bias", exact_delta, str(dtype)), learnable=True)
+    check_lse_grads(SMALL, "causal", dtype, seed_of("lse_grad_bias", exact_delta, str(dtype)), learnable=True,
+                    opts=opts)
     assert phases[0] == 3 if exact_delta else 3 not in phases, phases
 
 
 def test_lse_gradient_over_finer_tables(monkeypatch):
-    """The backward over the mask's tables refined to 64x64 blocks (flexcore.kernels.forward.REFINE)."""
-    monkeypatch.setattr(fwd, "REFINE", True)
+    """The backward over the mask's tables refined to 64x64 blocks (the policy's forward.refine)."""
     sizes = []
     real = bwd._tiles
 
@@ -194,7 +195,8 @@ def test_lse_gradient_over_finer_tables(monkeypatch):
 
     monkeypatch.setattr(bwd, "_tiles", spy)
     shape = Shape("refine", B=1, Hq=2, Hkv=2, L=256, S=256, D=32, Dv=32, block=128)
-    check_lse_grads(shape, "document", torch.float32, seed_of("lse_grad_refine"))
+    check_lse_grads(shape, "document", torch.float32, seed_of("lse_grad_refine"),
+                    opts=policy_options(forward={"refine": "on"}))
     assert sizes == [(64, 64)], sizes
 
 

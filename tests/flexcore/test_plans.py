@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from flexcore import KernelOptions, create_block_mask, flex_attention
-from flexcore.kernels import forward as fwd
 from flexcore.kernels import launch as L
 from flexcore.reference import flex_attention_reference
 from flexcore.testing import assert_close_to_reference
 from tests.flexcore.cases import CPU_SHAPES, Shape, make_mods
 from tests.flexcore.compare import seed_of
+from tests.flexcore.policies import policy_options
 from tests.flexcore.test_backward import _learnable
 
 
@@ -82,7 +82,7 @@ def _mods(shape, mod_name, learnable, gen, device="cpu"):
 CASES = [
     # (shape, mask/score variant, learnable captured tensor, dtype)
     (CPU_SHAPES[0], "causal", "temperature", torch.float32),     # partial blocks, captured gradient
-    # bf16 with a learnable ALiBi slope: the plan replays the delta pass (kernels.backward.EXACT_DELTA)
+    # bf16 with a learnable ALiBi slope: the plan replays the delta pass (policy backward.exact_delta)
     (Shape("bf16_slope", B=1, Hq=2, Hkv=2, L=128, S=128, D=32, Dv=32, block=32), "causal", "alibi_slope",
      torch.bfloat16),
     (CPU_SHAPES[3], "document", None, torch.float32),            # GQA, short rows
@@ -133,28 +133,28 @@ def test_a_new_mask_decides_again(decided):
         assert decided["forward"] == i + 1
 
 
-def test_plans_of_host_descriptors(decided, monkeypatch):
-    """K and V through descriptors made on the host over all rows (KV_ROWS): the plan makes each
-    call's descriptors over the call's K and V with the tile that the first call launched."""
-    monkeypatch.setattr(fwd, "TMA", True)
-    monkeypatch.setattr(fwd, "KV_ROWS", True)
+def test_plans_of_host_descriptors(decided):
+    """K and V through descriptors made on the host over all rows (policy forward.kv_rows): the plan
+    makes each call's descriptors over the call's K and V with the tile that the first call launched."""
+    opts = policy_options(forward={"tma": "on", "kv_rows": "on"})
     shape = Shape("kv_rows", B=2, Hq=2, Hkv=2, L=64, S=64, D=32, Dv=32, block=32)
     gen = torch.Generator().manual_seed(seed_of("plans", "kv_rows"))
     score_mod, gold_mod, caps, caps64, bm, _ = _mods(shape, "causal", None, gen)
     for call in range(3):
-        _check_call(shape, torch.bfloat16, gen, score_mod, gold_mod, caps, caps64, bm, f"call {call}")
+        _check_call(shape, torch.bfloat16, gen, score_mod, gold_mod, caps, caps64, bm, f"call {call}",
+                    kernel_options=opts)
     assert decided == {"forward": 1, "backward": 1}
     plan, = (p for key, p in L._plans.items() if "forward" in key)
     assert plan.kv_desc == ((2 * 2 * 64, 2 * 2 * 64), 32)
 
 
-def test_plans_can_be_switched_off(decided, monkeypatch):
-    monkeypatch.setattr(L, "PLANS", False)
+def test_plans_can_be_switched_off(decided):
+    opts = policy_options(launch={"plans": False})
     shape = CPU_SHAPES[1]
     gen = torch.Generator().manual_seed(seed_of("plans", "off"))
     score_mod, gold_mod, caps, caps64, bm, _ = _mods(shape, "causal", None, gen)
     for _ in range(2):
-        _check_call(shape, torch.float32, gen, score_mod, gold_mod, caps, caps64, bm, "off")
+        _check_call(shape, torch.float32, gen, score_mod, gold_mod, caps, caps64, bm, "off", kernel_options=opts)
     assert decided == {"forward": 2, "backward": 2}
     assert not L._plans
 

@@ -11,6 +11,7 @@ from flexcore.blockmask import refine_block_map
 from flexcore.kernels import forward as fwd
 from tests.flexcore.cases import Shape, make_case, make_mods
 from tests.flexcore.compare import assert_matches_reference, seed_of
+from tests.flexcore.policies import policy_options
 
 DEVICE = "cpu"
 # 128-row mask blocks (the default), ragged lengths, GQA: the finer tables are 64x64.
@@ -50,11 +51,14 @@ def test_refined_map_gives_up_where_it_cannot_evaluate():
         refine_block_map(bm, (48, 64))
 
 
+# Kernel options that take the finer tables wherever the mask's tables divide.
+REFINED = policy_options(forward={"refine": "on"})
+
+
 def backward_tables_spy(monkeypatch) -> list:
-    """Force the finer tables; (SPARSE_Q_BLOCK, SPARSE_KV_BLOCK) of each backward's tiles."""
+    """(SPARSE_Q_BLOCK, SPARSE_KV_BLOCK) of each backward's tiles."""
     from flexcore.kernels import backward as bwd
 
-    monkeypatch.setattr(fwd, "REFINE", True)
     seen = []
     real = bwd._tiles
 
@@ -82,12 +86,12 @@ def forward_tables_spy(monkeypatch) -> list:
 @pytest.mark.parametrize("mod_name", ["causal", "document", "prefix_lm", "and_or", "alibi", "relative_table"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_forward_over_finer_tables_matches_reference(monkeypatch, mod_name, dtype):
-    monkeypatch.setattr(fwd, "REFINE", True)
     seen = forward_tables_spy(monkeypatch)
     q, k, v, score_mod, bm = make_case(RAGGED, mod_name, dtype, seed_of("refined", mod_name, str(dtype)), DEVICE)
     if bm is None:  # relative_table has no mask_mod: a causal one over it
         bm = create_block_mask(lambda b, h, i, j: i + 31 >= j, None, None, RAGGED.L, RAGGED.S, device=DEVICE)
-    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, return_lse=True)
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, return_lse=True,
+                              kernel_options=REFINED)
     assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"refined/{mod_name}/{dtype}")
     assert seen == [(64, 64)]
 
@@ -131,26 +135,25 @@ def test_the_rule_takes_finer_tables_where_they_save_work(monkeypatch):
 
 def test_forced_gluon_forward_keeps_the_masks_own_tables(monkeypatch):
     # By the rule, the Gluon masked forward yields to the finer tables where rows are skewed; forced
-    # (HOPPER_MASKED True: tests and probes), it keeps the mask's own tables, which it can read.
+    # (the policy's gluon.masked "on"), it keeps the mask's own tables, which it can read.
     from flexcore.attention import _kv_blocks
     from flexcore.kernels import hopper
-    from flexcore.options import KernelOptions
 
     documents = _short_documents([700, 60, 60, 60, 60, 84])  # one long document: skewed rows
     bm = create_block_mask(documents, None, None, 1024, 1024, device=DEVICE)
     blocks = _kv_blocks(bm, 1, 2)
     q = torch.empty(1, 2, 1024, 32)
     monkeypatch.setattr(hopper, "applies_masked", lambda *a: True)
-    for forced, kept in ((None, False), (True, True)):
-        monkeypatch.setattr(hopper, "HOPPER_MASKED", forced)
-        chosen = fwd.refined(blocks, q, q, q, _identity(), _lowered(documents), 0.1, KernelOptions())
+    for forced, kept in (("auto", False), ("on", True)):
+        opts = policy_options(gluon={"masked": forced})
+        chosen = fwd.refined(blocks, q, q, q, _identity(), _lowered(documents), 0.1, opts)
         assert (chosen is blocks) == kept, forced
 
 
 @pytest.mark.parametrize("D, kept", [(128, True), (64, False)])
 def test_gluon_forward_at_head_dim_64_yields_to_the_finer_tables(monkeypatch, D, kept):
     # Rows alike (documents of 96 tokens): at head dim 128 the Gluon masked forward keeps the mask's
-    # own tables; at head dim 64 (three warpgroups, hopper.UNION_YIELDS) the template over the finer
+    # own tables; at head dim 64 (three warpgroups, gluon.union_yields) the template over the finer
     # tables takes the call, unless the Gluon kernel is forced.
     from flexcore.attention import _kv_blocks
     from flexcore.kernels import hopper
@@ -163,8 +166,8 @@ def test_gluon_forward_at_head_dim_64_yields_to_the_finer_tables(monkeypatch, D,
     monkeypatch.setattr(hopper, "applies_masked", lambda *a: True)
     chosen = fwd.refined(blocks, q, q, q, _identity(), _lowered(documents), 0.1, KernelOptions())
     assert (chosen is blocks) == kept
-    monkeypatch.setattr(hopper, "HOPPER_MASKED", True)
-    assert fwd.refined(blocks, q, q, q, _identity(), _lowered(documents), 0.1, KernelOptions()) is blocks
+    forced = policy_options(gluon={"masked": "on"})
+    assert fwd.refined(blocks, q, q, q, _identity(), _lowered(documents), 0.1, forced) is blocks
 
 
 def attention_module():
@@ -189,7 +192,6 @@ def test_finer_tables_follow_the_captured_tensors(monkeypatch, decided):
     # The finer tables hold for the mask_mod's captured tensors as they were: modified in place,
     # they are computed again (and the per-call plan with them). Here the mask's own 128-blocks
     # stay right for the new limit; its finer ones do not (keys 160-191 of the last 64 queries).
-    monkeypatch.setattr(fwd, "REFINE", True)
     limit = torch.tensor([200])
 
     def below_limit(b, h, q_idx, kv_idx):
@@ -202,7 +204,7 @@ def test_finer_tables_follow_the_captured_tensors(monkeypatch, decided):
     for step, value in enumerate([200, 200, 160]):
         if value != int(limit):
             limit.fill_(value)
-        out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+        out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=REFINED)
         assert_matches_reference(q, k, v, None, bm, out, lse, f"limit {value}")
     assert decided["forward"] == 2  # the repeated call ran its plan; the modified tensor decided anew
 
@@ -239,11 +241,10 @@ def test_finer_tables_leave_with_their_mask():
 @pytest.mark.parametrize("mod_name", ["document", "sliding_window"])
 def test_finer_tables_with_longest_first_order(monkeypatch, mod_name):
     # The finer tables' rows ordered longest first (only rows of 8+ blocks take it by default).
-    monkeypatch.setattr(fwd, "REFINE", True)
-    monkeypatch.setattr(fwd, "SCHEDULE_MIN_BLOCKS", 0.0)
-    monkeypatch.setattr(fwd, "SCHEDULE_GROUP", 2)
+    opts = policy_options(forward={"refine": "on", "schedule_min_blocks": 0.0, "schedule_group": 2})
     q, k, v, score_mod, bm = make_case(RAGGED, mod_name, torch.float32, seed_of("refined", "order", mod_name), DEVICE)
-    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, return_lse=True)
+    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True, return_lse=True,
+                              kernel_options=opts)
     assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"refined/order/{mod_name}")
 
 
@@ -257,7 +258,7 @@ def test_backward_over_finer_tables_matches_reference(monkeypatch, mod_name, lea
 
     seen = backward_tables_spy(monkeypatch)
     check_backward(RAGGED, mod_name, dtype, seed_of("refined", "bwd", mod_name, learnable, str(dtype)),
-                   learnable=learnable)
+                   learnable=learnable, kernel_options=REFINED)
     assert seen == [(64, 64)]
 
 

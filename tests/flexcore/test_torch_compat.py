@@ -15,7 +15,7 @@ import torch.utils._pytree as pytree
 from torch.nn.attention import flex_attention as tfa
 
 from flexcore import flex_attention, options
-from flexcore.blockmask import BlockMask, _sliced_mask_mod, create_block_mask, create_mask
+from flexcore.blockmask import BlockMask, create_block_mask, create_mask, sliced_mask_mod
 from flexcore.errors import InputError
 from flexcore.interop import _converted, coerce_block_mask, is_torch_block_mask
 from flexcore.masks import MaskModTypeError, and_masks, noop_mask, or_masks
@@ -67,7 +67,7 @@ def test_to_torch_and_from_torch_share_the_tables():
     assert back.mask_mod is causal and back.seq_lengths == (96, 160)
     # The marks of a sliced mask and the noop mask map to each other's.
     assert mask[:, :, 1].to_torch().mask_mod is tfa._sliced_mask_mod_error
-    assert BlockMask.from_torch(built[:, :, 1]).mask_mod is _sliced_mask_mod
+    assert BlockMask.from_torch(built[:, :, 1]).mask_mod is sliced_mask_mod
     assert BlockMask.from_torch(mask.with_mask_mod(None).to_torch()).mask_mod is noop_mask
     with pytest.raises(InputError, match="expected a torch.nn.attention.flex_attention.BlockMask"):
         BlockMask.from_torch(mask)
