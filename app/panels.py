@@ -6,6 +6,7 @@ fingerprint of the editor's current state, against which kept results are marked
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import streamlit as st
 
@@ -60,14 +61,43 @@ def clicked(button_key: str) -> bool:
     return bool(st.session_state.get(button_key)) or pending
 
 
-def _keep(kind: str, run: Run, data: dict, params: dict | None = None) -> None:
-    rec = export.make_record(kind, run.fingerprint, data, params)
-    experiments.record(kind, rec, run.code, run.shape, run.seed)
+#: ``progress(fraction, text)``: what a long action reports while it runs.
+Progress = Callable[[float, str], None]
 
 
-def _progress_bar(text: str):
-    bar = st.progress(0.0, text=text)
-    return bar, (lambda f, msg: bar.progress(min(1.0, max(0.0, f)), text=msg or text))
+def action(kind: str, run: Run, fingerprint: str, *, key: str, label: str, help: str | None,
+           busy: str, work: Callable[[Progress | None], dict], params: dict, intro: str,
+           ready: bool = True, progress: bool = False) -> dict | None:
+    """An action's button, run, keep and stale cycle; the record to show, or None.
+
+    Draws the button ``key``; when it was pressed (and ``ready``), runs ``work`` under a spinner
+    (or a progress bar fed to ``work`` when ``progress``) and keeps its data with the experiment
+    as ``kind`` with ``params``; a failure shows as an error box. Then returns the kept record,
+    marked when it was computed from other code, shape or seed than ``fingerprint``'s, or shows
+    ``intro`` when there is none.
+    """
+    st.button(label, type="primary", key=key, help=help)
+    if clicked(key) and ready:
+        try:
+            if progress:
+                bar = st.progress(0.0, text=busy)
+                try:
+                    data = work(lambda f, msg: bar.progress(min(1.0, max(0.0, f)), text=msg or busy))
+                finally:
+                    bar.empty()
+            else:
+                with st.spinner(busy):
+                    data = work(None)
+            rec = export.make_record(kind, run.fingerprint, data, params)
+            experiments.record(kind, rec, run.code, run.shape, run.seed)
+        except services.ActionFailed as e:
+            ui.show_failure(e)
+    rec = experiments.results().get(kind)
+    if rec is None:
+        st.caption(intro)
+        return None
+    ui.stale_note(rec, fingerprint)
+    return rec
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,22 +186,18 @@ def triton_panel(prepared: dict) -> None:
 def check_panel(run: Run, fingerprint: str) -> None:
     dtypes = st.multiselect("dtypes", services.DTYPES, default=list(services.DTYPES),
                             key="pg_check_dtypes")
-    st.button("Check", type="primary", key="pg_check_btn",
-              help="Run flexcore and compare with the float64 reference")
-    if clicked("pg_check_btn") and dtypes:
-        try:
-            with st.spinner("Running flexcore and the float64 reference…"):
-                data = playground.check(run.code, run.shape, run.seed, dtypes, run.b, run.h)
-            _keep("check", run, data, {"dtypes": dtypes, "b": run.b, "h": run.h})
-        except services.ActionFailed as e:
-            ui.show_failure(e)
-    rec = experiments.results().get("check")
+    rec = action("check", run, fingerprint, key="pg_check_btn", label="Check",
+                 help="Run flexcore and compare with the float64 reference",
+                 busy="Running flexcore and the float64 reference…", ready=bool(dtypes),
+                 work=lambda _: playground.check(run.code, run.shape, run.seed, dtypes, run.b,
+                                                 run.h),
+                 params={"dtypes": dtypes, "b": run.b, "h": run.h},
+                 intro="Check runs flexcore's kernel on random inputs (from the seed) in each dtype "
+                       "and compares it with the float64 reference. It passes when its error is at "
+                       "most twice the eager reference's own error in that dtype, plus a small "
+                       "epsilon.")
     if rec is None:
-        st.caption("Check runs flexcore's kernel on random inputs (from the seed) in each dtype and "
-                   "compares it with the float64 reference. It passes when its error is at most "
-                   "twice the eager reference's own error in that dtype, plus a small epsilon.")
         return
-    ui.stale_note(rec, fingerprint)
     rows = rec["data"]["rows"]
     if rows and all(r["passed"] for r in rows):
         st.success("Check passed for " + ", ".join(r["dtype"] for r in rows) + ".",
@@ -190,23 +216,18 @@ def check_panel(run: Run, fingerprint: str) -> None:
 
 
 def gradients_panel(run: Run, fingerprint: str) -> None:
-    st.button("Gradients", type="primary", key="pg_grad_btn",
-              help="Compare dQ, dK, dV and captured-tensor gradients with float64")
-    if clicked("pg_grad_btn"):
-        try:
-            with st.spinner("Computing gradients…"):
-                data = playground.gradients(run.code, run.shape, run.seed)
-            _keep("grad", run, data, {"dtype": run.shape["dtype"]})
-        except services.ActionFailed as e:
-            ui.show_failure(e)
-    rec = experiments.results().get("grad")
+    rec = action("grad", run, fingerprint, key="pg_grad_btn", label="Gradients",
+                 help="Compare dQ, dK, dV and captured-tensor gradients with float64",
+                 busy="Computing gradients…",
+                 work=lambda _: playground.gradients(run.code, run.shape, run.seed),
+                 params={"dtype": run.shape["dtype"]},
+                 intro="Compares dQ, dK, dV and the gradients of captured tensors with "
+                       "`requires_grad` against float64, for flexcore and the providers that can "
+                       f"express the variant, in {run.shape['dtype']}. A gradient passes when its "
+                       "error is at most twice the eager reference's own error in that dtype, plus "
+                       "a small epsilon (as Check).")
     if rec is None:
-        st.caption("Compares dQ, dK, dV and the gradients of captured tensors with `requires_grad` "
-                   "against float64, for flexcore and the providers that can express the variant, "
-                   f"in {run.shape['dtype']}. A gradient passes when its error is at most twice the "
-                   "eager reference's own error in that dtype, plus a small epsilon (as Check).")
         return
-    ui.stale_note(rec, fingerprint)
     data = rec["data"]
     rows = data["rows"]
     judged = [r for r in rows if r.get("passed") is not None]
@@ -234,24 +255,18 @@ def benchmark_panel(run: Run, fingerprint: str) -> None:
     names = {"forward": "fwd", "forward+backward": "fwd_bwd"}
     chosen = st.multiselect("Passes", list(names), default=list(names), key="pg_bench_passes",
                             help="The backward alone is shown as (forward+backward − forward).")
-    st.button("Benchmark", type="primary", key="pg_bench_btn",
-              help="Time flexcore and every provider available on this machine")
-    if clicked("pg_bench_btn") and chosen:
-        bar, progress = _progress_bar("Benchmarking…")
-        try:
-            data = playground.benchmark(run.code, run.shape, run.seed, run.name,
-                                        [names[c] for c in chosen], run.fingerprint, progress)
-            _keep("bench", run, data, {"passes": [names[c] for c in chosen]})
-        except services.ActionFailed as e:
-            ui.show_failure(e)
-        bar.empty()
-    rec = experiments.results().get("bench")
+    passes = [names[c] for c in chosen]
+    rec = action("bench", run, fingerprint, key="pg_bench_btn", label="Benchmark",
+                 help="Time flexcore and every provider available on this machine",
+                 busy="Benchmarking…", ready=bool(passes), progress=True,
+                 work=lambda progress: playground.benchmark(run.code, run.shape, run.seed, run.name,
+                                                            passes, run.fingerprint, progress),
+                 params={"passes": passes},
+                 intro="Times flexcore against every provider available here (SDPA backends, "
+                       "FlashAttention, torch flex_attention): forward, backward and "
+                       "forward+backward latency and peak memory, in the sidebar's dtype.")
     if rec is None:
-        st.caption("Times flexcore against every provider available here (SDPA backends, "
-                   "FlashAttention, torch flex_attention): forward, backward and forward+backward "
-                   "latency and peak memory, in the sidebar's dtype.")
         return
-    ui.stale_note(rec, fingerprint)
     rows = rec["data"]["rows"]
     summary = playground.benchmark_summary(rows)
     note = playground.cpu_note()
@@ -273,9 +288,15 @@ def benchmark_panel(run: Run, fingerprint: str) -> None:
                                          "provider", "peak memory (MiB)", color="pass"),
                         key="pg_bench_mem", width="stretch")
         ui.table(tables.benchmark_table(summary))
+    _not_timed(rows, "Not timed here: {n} (provider, pass) pairs, with the reasons")
+
+
+def _not_timed(rows: list[dict], title: str) -> None:
+    """The (provider, case) pairs of bench's rows that did not run, with bench's reasons, under
+    an expander titled ``title`` (``{n}``: how many)."""
     others = playground.not_timed(rows)
     if others:
-        with st.expander(f"Not timed here: {len(others)} (provider, pass) pairs, with the reasons"):
+        with st.expander(title.format(n=len(others))):
             ui.table((list(others[0]), [[str(v) for v in r.values()] for r in others]))
 
 
@@ -295,26 +316,20 @@ def sweep_panel(run: Run, fingerprint: str) -> None:
     default = [n for n in labels if n in ("flexcore", "sdpa_math", "torch_flex", "sdpa_flash",
                                           "sdpa_cudnn")]
     chosen = c3.multiselect("Providers", list(labels), default=default, key="pg_sweep_providers")
-    st.button("Run the sweep", type="primary", key="pg_sweep_btn",
-              help="Latency and TFLOP/s of each provider at each sequence length")
-    if clicked("pg_sweep_btn") and lengths and chosen:
-        bar, progress = _progress_bar("Sweeping…")
-        p = "fwd" if pass_ == "forward" else "fwd_bwd"
-        try:
-            data = playground.sweep(run.code, run.shape, run.seed, run.name, lengths, p,
-                                    [labels[c] for c in chosen], run.fingerprint, progress)
-            _keep("sweep", run, data, {"pass": pass_, "lengths": sorted(lengths),
-                                       "providers": chosen})
-        except services.ActionFailed as e:
-            ui.show_failure(e)
-        bar.empty()
-    rec = experiments.results().get("sweep")
+    p = "fwd" if pass_ == "forward" else "fwd_bwd"
+    providers = [labels[c] for c in chosen]
+    rec = action("sweep", run, fingerprint, key="pg_sweep_btn", label="Run the sweep",
+                 help="Latency and TFLOP/s of each provider at each sequence length",
+                 busy="Sweeping…", ready=bool(lengths and chosen), progress=True,
+                 work=lambda progress: playground.sweep(run.code, run.shape, run.seed, run.name,
+                                                        lengths, p, providers, run.fingerprint,
+                                                        progress),
+                 params={"pass": pass_, "lengths": sorted(lengths), "providers": chosen},
+                 intro="Runs the variant at each sequence length (B, heads and D from the sidebar; "
+                       "the code runs again at each length, so captured tensors sized from Q_LEN "
+                       "and KV_LEN follow).")
     if rec is None:
-        st.caption("Runs the variant at each sequence length (B, heads and D from the sidebar; "
-                   "the code runs again at each length, so captured tensors sized from Q_LEN and "
-                   "KV_LEN follow).")
         return
-    ui.stale_note(rec, fingerprint)
     rows = playground.sweep_rows(rec["data"]["rows"])
     note = playground.cpu_note()
     if rows:
@@ -325,10 +340,7 @@ def sweep_panel(run: Run, fingerprint: str) -> None:
                                           f"{rec['params']['pass']}{note}"),
                         key="pg_sweep_tf", width="stretch")
         ui.table(tables.sweep_table(rows))
-    others = playground.not_timed(rec["data"]["rows"])
-    if others:
-        with st.expander(f"Not timed: {len(others)} (provider, length) pairs, with the reasons"):
-            ui.table((list(others[0]), [[str(v) for v in r.values()] for r in others]))
+    _not_timed(rec["data"]["rows"], "Not timed: {n} (provider, length) pairs, with the reasons")
 
 
 def compare_panel(run: Run, fingerprint: str) -> None:
@@ -353,26 +365,18 @@ def compare_panel(run: Run, fingerprint: str) -> None:
         other = experiments.store().get(pick)
         other_code, other_label = other.code, other.name
     time_it = st.checkbox("Time both (flexcore, forward)", value=True, key="pg_compare_time")
-    st.button("Compare", type="primary", key="pg_compare_btn")
-    if clicked("pg_compare_btn"):
-        key = services.fingerprint(other_code, run.shape, run.seed)
-        bar, progress = _progress_bar("Comparing…")
-        try:
-            data = playground.compare(run.code, other_code, "this experiment", other_label,
-                                      run.shape, run.seed, run.b, run.h, time_it,
-                                      f"{run.fingerprint}-{key}", progress)
-            _keep("compare", run, data, {"other": other_label, "other_code": other_code,
-                                         "b": run.b, "h": run.h})
-        except services.ActionFailed as e:
-            ui.show_failure(e)
-        bar.empty()
-    rec = experiments.results().get("compare")
+    key = services.fingerprint(other_code, run.shape, run.seed)
+    rec = action("compare", run, fingerprint, key="pg_compare_btn", label="Compare", help=None,
+                 busy="Comparing…", progress=True,
+                 work=lambda progress: playground.compare(
+                     run.code, other_code, "this experiment", other_label, run.shape, run.seed,
+                     run.b, run.h, time_it, f"{run.fingerprint}-{key}", progress),
+                 params={"other": other_label, "other_code": other_code, "b": run.b, "h": run.h},
+                 intro="Sets the experiment beside another mod at the same shape and seed: masks, "
+                       "block sparsity, where the masks differ, how far the outputs are apart, and "
+                       "flexcore's latency of each.")
     if rec is None:
-        st.caption("Sets the experiment beside another mod at the same shape and seed: masks, "
-                   "block sparsity, where the masks differ, how far the outputs are apart, and "
-                   "flexcore's latency of each.")
         return
-    ui.stale_note(rec, fingerprint)
     data = rec["data"]
     a, b_ = data["labels"]
     p = rec["params"]

@@ -1,4 +1,5 @@
-"""The Playground's user code: compile it, run it, find its mods, and locate its errors.
+"""The Playground's user code: compile it, run it, find its mods (:class:`variants.core.Mods`), and
+locate its errors.
 
 The code is compiled under the filename ``<playground>`` and registered in ``linecache`` so that
 tracebacks and flexcore's ``ModError`` point at the user's own line.
@@ -11,8 +12,10 @@ import linecache
 import sys
 import traceback
 import types
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+from variants.core import Mods, Shape
 
 FILENAME = "<playground>"
 
@@ -62,21 +65,6 @@ class UserCodeError(Exception):
     def __init__(self, problem: CodeProblem):
         super().__init__(f"{problem.title}: {problem.message}")
         self.problem = problem
-
-
-@dataclass
-class UserMods:
-    """What the user's code defines: its mods and the tensors at its top level."""
-
-    score_mod: Callable | None
-    mask_mod: Callable | None
-    tensors: dict[str, Any] = field(default_factory=dict)
-    namespace: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def learnable(self) -> dict[str, Any]:
-        """Top-level tensors with ``requires_grad``: the captured tensors gradients are taken of."""
-        return {k: t for k, t in self.tensors.items() if getattr(t, "requires_grad", False)}
 
 
 def source_line(code: str, lineno: int | None) -> str | None:
@@ -191,10 +179,12 @@ def shape_namespace(shape: dict) -> dict[str, Any]:
     return ns
 
 
-def run_code(code: str, shape: dict) -> UserMods:
-    """Run the code and return its mods. Raises UserCodeError saying what is wrong and where."""
-    import torch
+def execute(code: str, shape: dict) -> dict[str, Any]:
+    """Run the code in a fresh module and return its namespace (globals).
 
+    Raises:
+        UserCodeError: saying what is wrong and where.
+    """
     compiled = compile_code(code)
     ns = shape_namespace(shape)
     try:
@@ -210,7 +200,19 @@ def run_code(code: str, shape: dict) -> UserMods:
             source_line(code, lineno))) from None
     except Exception as e:  # noqa: BLE001 - anything the user's code raises is reported as theirs
         raise UserCodeError(problem_from_exception(e, code, "while running the code")) from None
-    score_mod, mask_mod = ns.get("score_mod"), ns.get("mask_mod")
+    return ns
+
+
+def mods_of(namespace: Mapping[str, Any], shape: dict) -> Mods:
+    """The mods a run of the code defined: its ``score_mod`` / ``mask_mod``, with its top-level
+    tensors as the captured tensors.
+
+    Raises:
+        UserCodeError: neither mod is defined, or one is not a function.
+    """
+    import torch
+
+    score_mod, mask_mod = namespace.get("score_mod"), namespace.get("mask_mod")
     if score_mod is None and mask_mod is None:
         raise UserCodeError(CodeProblem(
             "missing", "No mod defined",
@@ -222,18 +224,26 @@ def run_code(code: str, shape: dict) -> UserMods:
                 "signature", f"{name} is not a function",
                 f"{name} is a {type(fn).__name__}; define it with def {name}(...) or assign a "
                 "callable to it."))
-    tensors = {k: v for k, v in ns.items()
-               if isinstance(v, torch.Tensor) and not k.startswith("_")}
-    return UserMods(score_mod, mask_mod, tensors, ns)
+    captured = {k: v for k, v in namespace.items()
+                if isinstance(v, torch.Tensor) and not k.startswith("_")}
+    return Mods(score_mod, mask_mod, captured,
+                Shape(shape["B"], shape["Hq"], shape["Q_LEN"], shape["KV_LEN"],
+                      torch.device(shape.get("device", "cpu"))))
 
 
-def code_shape_mismatch(mods: UserMods, shape: dict) -> list[str]:
-    """Shape names the code sets itself to values other than the shape controls'."""
+def run_code(code: str, shape: dict) -> Mods:
+    """Run the code and return its mods. Raises UserCodeError saying what is wrong and where."""
+    return mods_of(execute(code, shape), shape)
+
+
+def code_shape_mismatch(namespace: Mapping[str, Any], shape: dict) -> list[str]:
+    """Shape names the code (its namespace after a run) sets itself to values other than the
+    shape controls'."""
     controls = {"B": shape["B"], "H": shape["Hq"], "Q_LEN": shape["Q_LEN"],
                 "KV_LEN": shape["KV_LEN"], "D": shape["D"]}
     out = []
     for name, value in controls.items():
-        got = mods.namespace.get(name)
+        got = namespace.get(name)
         if isinstance(got, int) and not isinstance(got, bool) and got != value:
             out.append(f"{name} = {got} (controls: {value})")
     return out

@@ -10,7 +10,8 @@ import torch
 from bench import dense
 from bench.flops import attention_flops, block_density, decode_bytes
 from bench.grid import Case, Settings
-from bench.mods import Mods, offset_indices, resolve
+from bench.mods import offset_indices, resolve
+from variants.core import Mods
 
 
 @dataclass
@@ -70,7 +71,7 @@ class CaseContext:
     @property
     def learnable_named(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of captured tensors that require grad: their gradients are compared."""
-        return [(n, t) for n, t in self.mods.captured if t.requires_grad]
+        return list(self.mods.learnable.items())
 
     @property
     def learnable(self) -> list[torch.Tensor]:
@@ -285,13 +286,14 @@ class CaseContext:
         return self._cached("ref_baseline", lambda: self._reference(upcast=False))
 
 
-def make_context(case: Case, settings: Settings, device: torch.device, n_sets: int | None = None
-                 ) -> CaseContext:
-    """Build a case's context: resolve the variant, allocate the rotated input sets (seeded)."""
+def make_context(case: Case, settings: Settings, device: torch.device, n_sets: int | None = None,
+                 mods: Mods | None = None) -> CaseContext:
+    """Build a case's context: the mods (``mods``, or the case's variant spec resolved), and the
+    rotated input sets (seeded)."""
     c = case
-    resolved = resolve(c.variant, B=c.batch, H=c.q_heads, KV_HEADS=c.kv_heads, Q_LEN=c.q_len,
+    if mods is None:
+        mods = resolve(c.variant, B=c.batch, H=c.q_heads, KV_HEADS=c.kv_heads, Q_LEN=c.q_len,
                        KV_LEN=c.kv_len, D=c.head_dim, device=device, dtype=c.torch_dtype())
-    mods = resolved
     if c.pass_ == "decode":
         mods = offset_indices(mods, q0=c.kv_len - c.q_len)
     ctx = CaseContext(c, settings, device, mods)

@@ -9,11 +9,14 @@ Grammar: terms joined by ``+``; a term is
 - a Python file (``path/mods.py`` or ``path/mods.py:name``) defining ``score_mod`` and/or
   ``mask_mod``, or a ``make(...)`` factory (or the object ``name``) returning them.
 
-Score mods of several terms compose left to right; mask mods combine with ``and_masks``.
+Score mods of several terms compose left to right; mask mods combine with ``and_masks``. A spec
+resolves to :class:`variants.core.Mods` (the type the gallery and the workbench use too); bench
+also takes Mods in memory, without a spec (:func:`bench.runner.run_grid`).
 """
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib.util
 import inspect
 import operator
@@ -24,21 +27,8 @@ from typing import Any, Callable
 
 import torch
 
-
-class VariantError(ValueError):
-    """A variant spec cannot be parsed or resolved."""
-
-
-@dataclass(frozen=True)
-class Mods:
-    """A resolved variant: the mods every provider runs (either may be None)."""
-
-    label: str
-    score_mod: Callable | None
-    mask_mod: Callable | None
-    #: (name, tensor) of the floating-point tensors the mods read; those with ``requires_grad``
-    #: get their gradients compared on backward passes
-    captured: tuple = ()
+import variants
+from variants.core import Mods, Shape, VariantError
 
 
 @dataclass(frozen=True)
@@ -174,7 +164,7 @@ def _nargs(fn) -> int | None:
 def _as_mods(obj, what: str) -> tuple[Callable | None, Callable | None, list | None]:
     """Read (score_mod, mask_mod, captured tensors or None) out of what a variant factory returned.
 
-    Registry variants return ``variants.core.Mods`` (with ``captured``); mod files may return a
+    Registry variants return :class:`Mods` (with ``captured``); mod files may return a Mods, a
     pair, a dict or a single mod function.
     """
     if obj is None:
@@ -197,7 +187,8 @@ def _as_mods(obj, what: str) -> tuple[Callable | None, Callable | None, list | N
 
 
 def _captured_list(captured) -> list | None:
-    """[(name, tensor)] of a registry Mods' ``captured`` mapping (floating-point tensors only)."""
+    """[(name, tensor)] of a ``captured`` mapping (or sequence): its floating-point tensors, the
+    ones whose gradients bench can compare."""
     if captured is None:
         return None
     items = captured.items() if hasattr(captured, "items") else enumerate(captured)
@@ -256,19 +247,10 @@ def _resolve_term(term: Term, context: dict, device, dtype):
 def _registry_variant(name: str):
     """The registry's variant ``name``; raises VariantError listing the known names."""
     try:
-        import variants
-    except ImportError as exc:
-        raise VariantError(f"variant {name!r}: the variants registry cannot be imported ({exc}); "
-                           "give a mod file (path/to/mods.py) instead") from exc
-    getter = getattr(variants, "get", None)
-    if getter is None:
-        raise VariantError(f"variant {name!r}: the variants package has no get(name) yet")
-    try:
-        return getter(name)
-    except (KeyError, LookupError, ValueError) as exc:
-        names = _registry_names()
-        raise VariantError(f"unknown variant {name!r}" + (f"; known: {', '.join(names)}" if names
-                           else "") + " (or give a mod file path/to/mods.py)") from exc
+        return variants.get(name)
+    except VariantError:
+        raise VariantError(f"unknown variant {name!r}; known: {', '.join(variants.names())} "
+                           "(or give a mod file path/to/mods.py)") from None
 
 
 def check_spec(spec: str, context: dict) -> None:
@@ -323,22 +305,13 @@ def _check_file_term(term: Term, params: dict) -> None:
                                    f"parameters: {list(accepted)}")
 
 
-def _registry_names() -> list[str]:
-    try:
-        import variants
-
-        for attr in ("names", "list_variants", "available"):
-            fn = getattr(variants, attr, None)
-            if callable(fn):
-                return sorted(str(n) for n in fn())
-    except Exception:
-        pass
-    return []
-
-
 def resolve(spec: str, *, B: int, H: int, KV_HEADS: int, Q_LEN: int, KV_LEN: int, D: int,
             device: torch.device | str, dtype: torch.dtype = torch.float32) -> Mods:
-    """Resolve a variant spec for one case's shape into its mods."""
+    """Resolve a variant spec for one case's shape into its mods.
+
+    ``captured`` holds the floating-point tensors the mods read, each once (by identity), under
+    the name its variant gives it (or ``cap<i>`` for tensors found in a mod's closure).
+    """
     from flexcore.masks import and_masks
 
     context = shape_context(B, H, KV_HEADS, Q_LEN, KV_LEN, D)
@@ -357,15 +330,16 @@ def resolve(spec: str, *, B: int, H: int, KV_HEADS: int, Q_LEN: int, KV_LEN: int
             masks.append(mask)
     score_mod = scores[0] if len(scores) == 1 else (_compose(scores) if scores else None)
     mask_mod = masks[0] if len(masks) == 1 else (and_masks(*masks) if masks else None)
-    unique, names = {}, set()
+    unique: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
     for name, t in captured:
-        if id(t) in unique:
+        if id(t) in seen:
             continue
-        while name in names:
+        seen.add(id(t))
+        while name in unique:
             name += "_"
-        names.add(name)
-        unique[id(t)] = (name, t)
-    return Mods(spec, score_mod, mask_mod, tuple(unique.values()))
+        unique[name] = t
+    return Mods(score_mod, mask_mod, unique, Shape(B, H, Q_LEN, KV_LEN, torch.device(device)))
 
 
 def _compose(score_mods: list[Callable]) -> Callable:
@@ -398,7 +372,7 @@ def offset_indices(mods: Mods, *, b0: int = 0, h0: int = 0, q0: int = 0) -> Mods
             return mask(b + b0, h + h0, q_idx + q0, kv_idx)
 
         new_mask.__name__ = getattr(mask, "__name__", "mask_mod")
-    return Mods(mods.label, new_score, new_mask, mods.captured)
+    return dataclasses.replace(mods, score_mod=new_score, mask_mod=new_mask)
 
 
 def captured_tensors(*fns) -> list[torch.Tensor]:

@@ -10,6 +10,9 @@ Output folder (``results/<name>`` by default):
   segment; the report also reads ``rows.jsonl`` of an unfinished run).
 
 The row schema is :class:`Row`; its fields are the CSV columns (``pass_`` is written ``pass``).
+
+:func:`run` is the command line's run (a progress bar or log lines); :func:`run_grid` is the
+library's: it takes the mods in memory and a progress callback, and returns the results.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Union
+
 import torch
 
 from bench import env as env_mod
@@ -31,8 +36,16 @@ from bench.context import CaseContext, Slice, make_context
 from bench.grid import Case, Grid, case_from_dict
 from bench.lock import FolderBusyError, FolderLock
 from bench.timing import GraphCaptureError, peak_memory, time_call, time_first_call
+from variants.core import Mods
 
 SCHEMA_VERSION = "flexlab-bench/1"
+
+#: Mods given in memory: one :class:`variants.core.Mods` for every case, or a function building
+#: them for a case (its shape); either replaces resolving the cases' variant specs.
+ModsSource = Union[Mods, Callable[[Case], Mods]]
+#: ``progress(done, total, case)``: called as each case starts (``done`` cases finished before
+#: it) and as it ends (``done`` counting it); the last call of a complete run has done == total.
+ProgressCallback = Callable[[int, int, Case], None]
 
 
 @dataclass
@@ -193,9 +206,10 @@ class CaseRunner:
     """Runs one case over the providers and returns its rows."""
 
     def __init__(self, case: Case, grid: Grid, device: torch.device, run_id: str,
-                 availability: dict[str, tuple[bool, str]]):
+                 availability: dict[str, tuple[bool, str]], mods: ModsSource | None = None):
         self.case, self.grid, self.device, self.run_id = case, grid, device, run_id
         self.availability = availability
+        self.mods_source = mods
         self.rows: list[Row] = []
         self.ctx: CaseContext | None = None
         self.coverage = ""
@@ -211,7 +225,7 @@ class CaseRunner:
     def run(self) -> list[Row]:
         c = self.case
         try:
-            self.ctx = make_context(c, self.grid.settings, self.device)
+            self.ctx = make_context(c, self.grid.settings, self.device, mods=self.case_mods())
             self.density = self.ctx.density()
             self.coverage = self.ctx.coverage()
         except Exception as exc:
@@ -226,6 +240,11 @@ class CaseRunner:
         finally:
             self._cleanup()
         return self.rows
+
+    def case_mods(self) -> Mods | None:
+        """The in-memory mods of this case, or None to resolve its variant spec."""
+        source = self.mods_source
+        return source(self.case) if callable(source) else source
 
     def _cleanup(self):
         if self.ctx is not None:
@@ -573,7 +592,8 @@ def prepare_out_dir(out_dir: Path, resume: bool, force: bool, grid: Grid | None 
 
 def run(grid: Grid, out_dir: str | Path, *, device: torch.device | str | None = None, resume: bool = False,
         force: bool = False, progress: bool = True, log=None) -> Path:
-    """Run a grid into ``out_dir`` and return the path of results.json.
+    """Run a grid into ``out_dir`` and return the path of results.json (the command line's run:
+    a progress bar or ``[i/N]`` log lines; :func:`run_grid` is the library's).
 
     The folder's lock (:class:`bench.lock.FolderLock`) is held from the first check to the last
     write, so a second run or ``--resume`` on the same folder is refused while this one runs.
@@ -587,25 +607,69 @@ def run(grid: Grid, out_dir: str | Path, *, device: torch.device | str | None = 
             writing it (:class:`RunDirBusy`, naming that process).
         ConfigError: invalid settings.
     """
-    out_dir = Path(out_dir)
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    return _run(grid, Path(out_dir), device, resume, force, log, bar=progress)
+
+
+def run_grid(grid: Grid, out_dir: str | Path | None = None, *, mods: ModsSource | None = None,
+             progress: ProgressCallback | None = None, device: torch.device | str | None = None,
+             resume: bool = False, force: bool = False, log: Callable[[str], None] | None = None
+             ) -> dict:
+    """Run a grid and return its results: the results.json payload (``rows``, ``envs``,
+    ``config``, ``complete``, ...).
+
+    Args:
+        grid: the cases, providers and settings.
+        out_dir: the run folder (written as by :func:`run`); None runs in a temporary folder
+            that is removed afterwards.
+        mods: the cases' mods in memory, instead of resolving each case's variant spec (which is
+            then only the label of its rows): one :class:`variants.core.Mods` for every case, or
+            ``mods(case) -> Mods`` (called once per case, when the case starts).
+        progress: ``progress(done, total, case)`` as each case starts and as it ends.
+        device: where to run (default: the GPU when there is one).
+        resume, force: as :func:`run` (for an ``out_dir`` that holds a run).
+        log: receives the run's messages (providers skipped, a time limit reached); default:
+            dropped.
+
+    Example:
+        >>> import variants
+        >>> from bench.grid import Case, Grid, Settings
+        >>> mods = variants.get("sliding_window").make(Q_LEN=256, window_size=64)
+        >>> case = Case("my window", 1, 8, 8, 256, 256, 64, 64, "float32", "fwd")
+        >>> rows = run_grid(Grid("mine", [case], ["flexlab"], Settings()), mods=mods)["rows"]
+
+    Raises:
+        RunDirError: as :func:`run`.
+    """
+    log = log or (lambda msg: None)
+    if out_dir is not None:
+        return _read_json(_run(grid, Path(out_dir), device, resume, force, log, mods=mods,
+                               progress=progress))
+    with tempfile.TemporaryDirectory(prefix="flexlab-bench-") as tmp:
+        return _read_json(_run(grid, Path(tmp), device, resume, force, log, mods=mods,
+                               progress=progress))
+
+
+def _run(grid: Grid, out_dir: Path, device, resume: bool, force: bool, log, *, bar: bool = False,
+         mods: ModsSource | None = None, progress: ProgressCallback | None = None) -> Path:
     device = torch.device(device) if device is not None else default_device()
     grid.settings.validate()
     from flexcore._runtime import prepare_triton
 
     prepare_triton()  # before anything imports triton: the interpreter must be chosen first on CPUs
-    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     try:
         lock = FolderLock(out_dir, "bench run").acquire()
     except FolderBusyError as exc:
         raise RunDirBusy(str(exc)) from None
     try:
-        return _run_locked(grid, out_dir, device, resume, force, progress, log)
+        return _run_locked(grid, out_dir, device, resume, force, bar, log, mods, progress)
     finally:
         lock.release()
 
 
 def _run_locked(grid: Grid, out_dir: Path, device: torch.device, resume: bool, force: bool,
-                progress: bool, log) -> Path:
+                bar_enabled: bool, log, mods: ModsSource | None,
+                progress: ProgressCallback | None) -> Path:
     existing = prepare_out_dir(out_dir, resume, force, grid)
     done = {e["case_id"] for e in existing}
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
@@ -618,9 +682,10 @@ def _run_locked(grid: Grid, out_dir: Path, device: torch.device, resume: bool, f
     for name, (ok, why) in availability.items():
         log(f"provider {name}: {'available' if ok else 'skipped'} ({why})")
     todo = [c for c in grid.cases if c.case_id not in done]
+    total, finished = len(grid.cases), len(grid.cases) - len(todo)
     if done:
-        log(f"resuming: {len(grid.cases) - len(todo)} of {len(grid.cases)} cases already done")
-    bar = _progress(len(grid.cases), len(grid.cases) - len(todo), progress)
+        log(f"resuming: {finished} of {total} cases already done")
+    bar = _progress(total, finished, bar_enabled)
     started = time.monotonic()
     limit = grid.settings.max_minutes * 60
     stopped_early = 0
@@ -630,17 +695,21 @@ def _run_locked(grid: Grid, out_dir: Path, device: torch.device, resume: bool, f
                 if limit and time.monotonic() - started > limit:
                     stopped_early = len(todo) - i
                     break
+                if progress is not None:
+                    progress(finished, total, case)
                 t0 = time.monotonic()
-                rows = _case_runner(case)(case, grid, device, run_id, availability).run()
+                rows = _case_runner(case)(case, grid, device, run_id, availability, mods).run()
                 jsonl.write(json.dumps({"case_id": case.case_id, "rows": [r.to_dict() for r in rows]}) + "\n")
                 jsonl.flush()
                 os.fsync(jsonl.fileno())
+                finished += 1
+                if progress is not None:
+                    progress(finished, total, case)
                 if bar is not None:
                     bar.set_postfix_str(case.case_id[:60])
                     bar.update(1)
                 else:
-                    log(f"[{len(grid.cases) - len(todo) + i + 1}/{len(grid.cases)}] {case.case_id} "
-                        f"({time.monotonic() - t0:.1f}s)")
+                    log(f"[{finished}/{total}] {case.case_id} ({time.monotonic() - t0:.1f}s)")
     finally:
         if bar is not None:
             bar.close()

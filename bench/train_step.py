@@ -113,7 +113,7 @@ class TrainStepRunner(CaseRunner):
         c, s = self.case, self.grid.settings
         names = [n for n in self.grid.providers if n in TRAIN_PROVIDERS]
         try:
-            self.ctx = make_context(c, s, self.device, n_sets=0)
+            self.ctx = make_context(c, s, self.device, n_sets=0, mods=self.case_mods())
             self.density = self.ctx.density()
             self.coverage = "all"
             self._inputs()

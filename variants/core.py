@@ -1,4 +1,5 @@
-"""The gallery's data model: Variant, its typed Params, its Reference, and the Mods it makes."""
+"""The gallery's data model: Variant, its typed Params, its Reference, and Mods, the one type of
+score/mask mods with their captured tensors that the gallery, bench and the workbench share."""
 from __future__ import annotations
 
 import difflib
@@ -21,7 +22,7 @@ SHAPE_NAMES = ("B", "H", "Q_LEN", "KV_LEN", "device")
 
 
 class VariantError(ValueError):
-    """A variant name or parameter value that the gallery cannot accept."""
+    """A variant name, parameter value or bench variant spec that cannot be accepted."""
 
 
 class UnknownVariantError(VariantError, KeyError):
@@ -156,12 +157,16 @@ class Shape:
 
 @dataclass(frozen=True)
 class Mods:
-    """What a variant makes: its mods, the tensors they capture, and how to build a BlockMask.
+    """A score_mod and/or a mask_mod with the tensors they read, and the problem they were built for.
+
+    What a gallery variant makes, what a bench variant spec resolves to, and what the workbench's
+    code defines; bench runs any of them (:func:`bench.runner.run_grid` takes them in memory).
 
     Attributes:
         score_mod: ``(score, b, h, q_idx, kv_idx) -> score``, or None.
         mask_mod: ``(b, h, q_idx, kv_idx) -> bool``, or None.
-        captured: the tensors the mods read, by name (learnable ones have ``requires_grad``).
+        captured: the tensors the mods read, by name; those with ``requires_grad`` are learnable
+            (bench and the workbench compare their gradients).
         shape: the problem the captured tensors were built for.
         batch_dependent, head_dependent: whether the mask differs across ``b`` / ``h``, so that
             a BlockMask needs that dimension (otherwise it broadcasts with ``None``).
@@ -177,7 +182,13 @@ class Mods:
     @property
     def name(self) -> str:
         """The mods' ``__name__`` values joined with ``+``."""
-        return "+".join(m.__name__ for m in (self.mask_mod, self.score_mod) if m is not None)
+        return "+".join(getattr(m, "__name__", type(m).__name__)
+                        for m in (self.mask_mod, self.score_mod) if m is not None)
+
+    @property
+    def learnable(self) -> dict[str, Tensor]:
+        """The captured tensors with ``requires_grad``, by name: those gradients are taken of."""
+        return {k: t for k, t in self.captured.items() if getattr(t, "requires_grad", False)}
 
     def block_mask_dims(self) -> tuple[int | None, int | None]:
         """``(B, H)`` to pass to ``create_block_mask``: None where the mask broadcasts."""

@@ -81,16 +81,14 @@ def check(code: str, shape: dict, seed: int, dtypes: list[str], b: int, h: int) 
 
 def gradients(code: str, shape: dict, seed: int) -> dict:
     """Gradients of flexcore and the providers against float64, in the shape's dtype."""
-    return call("gradients", code=code, shape=shape, seed=seed, dtype=shape["dtype"],
-                folder=workbench_dir("mods"))
+    return call("gradients", code=code, shape=shape, seed=seed, dtype=shape["dtype"])
 
 
 def benchmark(code: str, shape: dict, seed: int, title: str, passes: list[str], fingerprint: str,
               progress: Callable[[float, str], None] | None = None) -> dict:
     """Every provider available here, for each pass: bench's rows, envs and run folder."""
     return call("benchmark", progress, code=code, shape=shape, seed=seed, title=title,
-                passes=list(passes), out_dir=workbench_dir("playground", fingerprint),
-                mods_dir=workbench_dir("mods"))
+                passes=list(passes), out_dir=workbench_dir("playground", fingerprint))
 
 
 def sweep(code: str, shape: dict, seed: int, title: str, lengths: list[int], pass_: str,
@@ -99,7 +97,7 @@ def sweep(code: str, shape: dict, seed: int, title: str, lengths: list[int], pas
     """Latency and TFLOP/s against S = Q_LEN = KV_LEN for each provider (bench's rows)."""
     return call("sweep", progress, code=code, shape=shape, seed=seed, title=title,
                 lengths=[int(n) for n in lengths], pass_=pass_, providers=list(providers),
-                out_dir=workbench_dir("sweeps", fingerprint), mods_dir=workbench_dir("mods"))
+                out_dir=workbench_dir("sweeps", fingerprint))
 
 
 def compare(code_a: str, code_b: str, label_a: str, label_b: str, shape: dict, seed: int, b: int,
@@ -108,7 +106,7 @@ def compare(code_a: str, code_b: str, label_a: str, label_b: str, shape: dict, s
     """Two mods side by side: masks, block sparsity, output difference and flexcore's latency."""
     return call("compare", progress, code_a=code_a, code_b=code_b, label_a=label_a,
                 label_b=label_b, shape=shape, seed=seed, b=b, h=h, time_it=time_it,
-                out_dir=workbench_dir("compare", key), mods_dir=workbench_dir("mods"))
+                out_dir=workbench_dir("compare", key))
 
 
 def providers() -> list[dict]:

@@ -1,24 +1,24 @@
 """The user's code inside the worker: run once per (code, shape, seed), seeded, under a time limit.
 
 Every action of the Playground gets its mods from :func:`mods_for`, so the float64 reference and
-every candidate read the very same captured tensors, even ``torch.randn`` ones created without a
-seed: the code runs under ``torch.manual_seed(seed)`` and its mods are kept for later actions.
+every candidate (bench's providers included, which take the mods in memory) read the very same
+captured tensors, even ``torch.randn`` ones created without a seed: the code runs under
+``torch.manual_seed(seed)`` and its mods are kept for later actions.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import random
-import re
 import signal
 import threading
-from pathlib import Path
+from typing import Any
 
 import torch
 
-from app.usercode import (FILENAME, CodeProblem, UserCodeError, UserMods, problem_from_exception,
-                          run_code, source_line)
+from app.usercode import (FILENAME, CodeProblem, UserCodeError, execute, mods_of,
+                          problem_from_exception, source_line)
+from variants.core import Mods
 
 #: Seconds the user's own Python (the code, and tracing its mods) may run before it is stopped.
 CODE_SECONDS_CPU = 5.0
@@ -109,17 +109,11 @@ def code_shape(shape: dict) -> dict:
     return {k: int(shape[k]) for k in ("B", "Hq", "Hkv", "Q_LEN", "KV_LEN", "D")} | {"device": device()}
 
 
+#: (code, code shape, seed) -> (its mods, its namespace), the last few runs.
 _CACHE: collections.OrderedDict = collections.OrderedDict()
 
 
-def mods_for(code: str, shape: dict, seed: int) -> UserMods:
-    """The user's mods at this shape and seed: the code runs the first time, later calls share its
-    result (and so its captured tensors). Never mutate what it returns.
-
-    Raises:
-        UserCodeError: the code failed (its problem names the line).
-        CodeTimeout: it ran past the time limit.
-    """
+def _run(code: str, shape: dict, seed: int) -> tuple[Mods, dict[str, Any]]:
     cshape = code_shape(shape)
     key = (code, tuple(sorted(cshape.items())), int(seed))
     if key in _CACHE:
@@ -127,11 +121,27 @@ def mods_for(code: str, shape: dict, seed: int) -> UserMods:
         return _CACHE[key]
     seed_everything(seed)
     with time_limit(code):
-        mods = run_code(code, cshape)
-    _CACHE[key] = mods
+        namespace = execute(code, cshape)
+    _CACHE[key] = (mods_of(namespace, cshape), namespace)
     while len(_CACHE) > _KEPT:
         _CACHE.popitem(last=False)
-    return mods
+    return _CACHE[key]
+
+
+def mods_for(code: str, shape: dict, seed: int) -> Mods:
+    """The user's mods at this shape and seed: the code runs the first time, later calls share its
+    result (and so its captured tensors). Never mutate what it returns.
+
+    Raises:
+        UserCodeError: the code failed (its problem names the line).
+        CodeTimeout: it ran past the time limit.
+    """
+    return _run(code, shape, seed)[0]
+
+
+def namespace_for(code: str, shape: dict, seed: int) -> dict[str, Any]:
+    """The globals of the run :func:`mods_for` keeps (the code runs only if it has not yet)."""
+    return _run(code, shape, seed)[1]
 
 
 def problem_of(exc: BaseException, code: str, stage: str) -> CodeProblem:
@@ -147,41 +157,3 @@ def problem_of(exc: BaseException, code: str, stage: str) -> CodeProblem:
         return CodeProblem("memory", "Out of GPU memory", f"{exc}".splitlines()[0] +
                            " Try a smaller shape.")
     return problem_from_exception(exc, code, stage)
-
-
-# ---- the Playground's code as a bench variant file --------------------------------------------
-
-_WRAPPER = '''"""{title}: the workbench Playground's code as a bench variant file (generated)."""
-CODE = {code!r}
-HKV = {hkv!r}
-SEED = {seed!r}
-
-
-def make(B, H, Q_LEN, KV_LEN, D, device):
-    from app.tasks.mods import mods_for_bench
-
-    return mods_for_bench(CODE, dict(B=B, Hq=H, Hkv=HKV, Q_LEN=Q_LEN, KV_LEN=KV_LEN, D=D), SEED)
-'''
-
-
-def slug(text: str, limit: int = 40) -> str:
-    """A file-name-safe form of an experiment's name."""
-    return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:limit] or "playground"
-
-
-def variant_file(code: str, shape: dict, seed: int, folder: Path, title: str = "playground") -> str:
-    """A bench variant file that gives bench the worker's own mods of this code (see
-    :func:`mods_for_bench`), named after the experiment (reports show the file's stem)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256(f"{code}\0{shape['Hkv']}\0{seed}".encode()).hexdigest()[:8]
-    path = folder / f"{slug(title)}_{digest}.py"
-    if not path.exists():
-        path.write_text(_WRAPPER.format(title=title.replace('"', "'"), code=code, hkv=shape["Hkv"],
-                                        seed=seed))
-    return str(path)
-
-
-def mods_for_bench(code: str, shape: dict, seed: int) -> dict:
-    """``make()`` of a generated variant file: the mods :func:`mods_for` keeps for this shape."""
-    mods = mods_for(code, shape, seed)
-    return {"score_mod": mods.score_mod, "mask_mod": mods.mask_mod, "captured": mods.tensors}

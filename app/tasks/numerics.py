@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from app.tasks.mods import device, mods_for, variant_file
+from app.tasks.mods import device, mods_for
 from app.tasks.views import block_mask_of, pool
 from bench.context import make_context
 from bench.grid import Case, Settings
@@ -79,7 +79,7 @@ def upcast_learnable(learnable: dict):
             learnable[name].data = data
 
 
-def gradients(code: str, shape: dict, seed: int, dtype: str, folder: str) -> dict:
+def gradients(code: str, shape: dict, seed: int, dtype: str) -> dict:
     """dQ, dK, dV and captured-tensor gradients of flexcore and the providers, against float64.
 
     Every candidate gets the same q, k, v, output gradient and captured tensors. The threshold of
@@ -117,7 +117,7 @@ def gradients(code: str, shape: dict, seed: int, dtype: str, folder: str) -> dic
         "flexcore": lambda q, k, v: flex_attention(q, k, v, score_mod=mods.score_mod,
                                                    block_mask=bm, enable_gqa=gqa),
     }
-    candidates.update(_provider_grad_calls(code, shape, seed, dtype, folder, notes))
+    candidates.update(_provider_grad_calls(mods, shape, seed, dtype, notes))
     eps = DEFAULT_EPS.get(getattr(torch, dtype), 1e-5)
     results: dict[str, dict] = {}
     for source, call in candidates.items():
@@ -146,18 +146,15 @@ def gradients(code: str, shape: dict, seed: int, dtype: str, folder: str) -> dic
     return {"rows": rows, "notes": notes, "baseline": baseline_name}
 
 
-def _provider_grad_calls(code: str, shape: dict, seed: int, dtype: str, folder: str,
-                         notes: list[str]) -> dict:
+def _provider_grad_calls(mods, shape: dict, seed: int, dtype: str, notes: list[str]) -> dict:
     """bench providers (other than flexcore) that can express and differentiate the variant here,
     built on the worker's own mods of the code (so on the same captured tensors)."""
-    from pathlib import Path
-
     dev = torch.device(device())
-    case = Case(variant_file(code, shape, seed, Path(folder)), shape["B"], shape["Hq"],
-                shape["Hkv"], shape["Q_LEN"], shape["KV_LEN"], shape["D"], shape["D"], dtype,
-                "fwd_bwd")
+    case = Case("playground", shape["B"], shape["Hq"], shape["Hkv"], shape["Q_LEN"],
+                shape["KV_LEN"], shape["D"], shape["D"], dtype, "fwd_bwd")
     try:
-        ctx = make_context(case, Settings(block_size=shape["BLOCK_SIZE"], seed=seed), dev, n_sets=1)
+        ctx = make_context(case, Settings(block_size=shape["BLOCK_SIZE"], seed=seed), dev, n_sets=1,
+                           mods=mods)
     except Exception as e:  # noqa: BLE001
         notes.append(f"providers: the bench case could not be set up ({type(e).__name__}: {e})")
         return {}

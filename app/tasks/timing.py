@@ -1,52 +1,46 @@
-"""Benchmarks (run in the worker): the Playground's variant, a sequence-length sweep, two mods
-compared, and bench's presets, all through bench's runner.
+"""Benchmarks (run in the worker): the Playground's mods, a sequence-length sweep, two mods
+compared, and bench's presets, all through bench's runner (:func:`bench.runner.run_grid`).
 
-bench reads the Playground's code through a generated variant file whose ``make()`` returns the
-worker's own mods (:func:`app.tasks.mods.variant_file`), so the timed mods read the same captured
-tensors as Check and Gradients.
+bench takes the Playground's mods in memory, those :func:`app.tasks.mods.mods_for` keeps: the timed
+mods read the same captured tensors as Check and Gradients, and the code runs once per shape.
 """
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from app.tasks.mods import device, mods_for, variant_file
+from app.tasks.mods import device, mods_for
 from app.tasks.numerics import output_difference
 from app.tasks.views import (CHUNK_POSITIONS, block_mask_of, block_view_of, mask_view_of,
                              pool_factors, pool_sums, slice_mod)
 from bench.grid import Case, Grid, Settings, build_grid, load_config
 from bench.providers import PROVIDERS
-from bench.runner import load_results, run
+from bench.runner import ModsSource, run_grid
 from flexcore import create_mask
 
 
-def _log_progress(progress: Callable[[float, str], None]):
-    """A bench ``log`` callback that turns its ``[i/N] case`` lines into progress fractions."""
-    def log(msg: str) -> None:
-        m = re.match(r"\[(\d+)/(\d+)\]\s*(.*)", msg)
-        if m:
-            done, n = int(m.group(1)), int(m.group(2))
-            progress(done / max(n, 1), f"{done}/{n}: {m.group(3)[:80]}")
-        else:
-            progress(0.0, msg[:100])
+def _run(grid: Grid, out_dir: str, progress: Callable[[float, str], None],
+         mods: ModsSource | None = None) -> dict:
+    """Run ``grid`` into ``out_dir`` (replacing an earlier run there), reporting each case."""
+    def report(done: int, total: int, case: Case) -> None:
+        progress(done / max(total, 1), f"{done}/{total} cases done; {case.case_id[:80]}")
 
-    return log
-
-
-def _run(grid: Grid, out_dir: str, progress) -> dict:
-    path = run(grid, Path(out_dir), device=device(), force=True, progress=False,
-               log=_log_progress(progress))
-    data = load_results(path)
+    data = run_grid(grid, out_dir, mods=mods, progress=report, device=device(), force=True)
     return {"rows": data["rows"], "envs": data.get("envs", []), "path": str(out_dir)}
 
 
-def _case(spec: str, shape: dict, pass_: str, q_len: int | None = None) -> Case:
+def label(title: str, limit: int = 40) -> str:
+    """The variant label of an experiment's rows: its name, file-name-safe (reports and the
+    Benchmarks page show it; ``|`` would split bench's case ids)."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", title).strip("_")[:limit] or "playground"
+
+
+def _case(variant: str, shape: dict, pass_: str, q_len: int | None = None) -> Case:
     L = q_len or shape["Q_LEN"]
     S = q_len or shape["KV_LEN"]
-    return Case(spec, shape["B"], shape["Hq"], shape["Hkv"], L, S, shape["D"], shape["D"],
+    return Case(variant, shape["B"], shape["Hq"], shape["Hkv"], L, S, shape["D"], shape["D"],
                 shape["dtype"], pass_)
 
 
@@ -56,24 +50,25 @@ def _settings(shape: dict, seed: int) -> Settings:
 
 
 def benchmark(code: str, shape: dict, seed: int, title: str, passes: list[str], out_dir: str,
-              mods_dir: str, progress) -> dict:
-    """Every provider available here on the Playground's variant, for each pass (``fwd``,
+              progress) -> dict:
+    """Every provider available here on the Playground's mods, for each pass (``fwd``,
     ``fwd_bwd``): latency, TFLOP/s, peak memory and output errors (bench's long-form rows)."""
-    mods_for(code, shape, seed)  # the code's problems surface here, with its line
-    spec = variant_file(code, shape, seed, Path(mods_dir), title)
-    grid = Grid("playground", [_case(spec, shape, p) for p in passes], list(PROVIDERS),
+    mods = mods_for(code, shape, seed)  # the code's problems surface here, with its line
+    grid = Grid("playground", [_case(label(title), shape, p) for p in passes], list(PROVIDERS),
                 _settings(shape, seed))
-    return _run(grid, out_dir, progress)
+    return _run(grid, out_dir, progress, mods)
 
 
 def sweep(code: str, shape: dict, seed: int, title: str, lengths: list[int], pass_: str,
-          providers: list[str], out_dir: str, mods_dir: str, progress) -> dict:
+          providers: list[str], out_dir: str, progress) -> dict:
     """Latency and TFLOP/s against the sequence length (Q_LEN = KV_LEN = S) for each provider; the
-    code runs once per length (its captured tensors follow Q_LEN and KV_LEN)."""
-    mods_for(code, shape, seed)
-    spec = variant_file(code, shape, seed, Path(mods_dir), title)
-    cases = [_case(spec, shape, pass_, int(s)) for s in sorted(set(lengths))]
-    return _run(Grid("sweep", cases, list(providers), _settings(shape, seed)), out_dir, progress)
+    code runs once per length (its captured tensors follow Q_LEN and KV_LEN), before any timing,
+    so that its problems surface with their line."""
+    by_length = {s: mods_for(code, {**shape, "Q_LEN": s, "KV_LEN": s}, seed)
+                 for s in sorted({int(n) for n in lengths})}
+    cases = [_case(label(title), shape, pass_, s) for s in by_length]
+    return _run(Grid("sweep", cases, list(providers), _settings(shape, seed)), out_dir, progress,
+                lambda case: by_length[case.q_len])
 
 
 def _mask_comparison(mods_a, mods_b, shape: dict, b: int, h: int) -> dict:
@@ -103,7 +98,7 @@ def _mask_comparison(mods_a, mods_b, shape: dict, b: int, h: int) -> dict:
 
 
 def compare(code_a: str, code_b: str, label_a: str, label_b: str, shape: dict, seed: int, b: int,
-            h: int, time_it: bool, out_dir: str, mods_dir: str, progress) -> dict:
+            h: int, time_it: bool, out_dir: str, progress) -> dict:
     """Two mods side by side at one shape: masks, block sparsity, outputs and flexcore's latency."""
     mods_a, mods_b = mods_for(code_a, shape, seed), mods_for(code_b, shape, seed)
     L, S = shape["Q_LEN"], shape["KV_LEN"]
@@ -115,11 +110,14 @@ def compare(code_a: str, code_b: str, label_a: str, label_b: str, shape: dict, s
     out["outputs"] = output_difference(code_a, code_b, shape, seed, b, h)
     out["timing"] = None
     if time_it:
-        specs = [variant_file(c, shape, seed, Path(mods_dir), t)
-                 for c, t in ((code_a, label_a), (code_b, label_b))]
+        specs = [label(label_a), label(label_b)]
+        if specs[0] == specs[1]:
+            specs = [f"{specs[0]}_a", f"{specs[1]}_b"]
+        by_spec = dict(zip(specs, (mods_a, mods_b)))
         grid = Grid("compare", [_case(s, shape, "fwd") for s in specs], ["flexlab"],
                     _settings(shape, seed))
-        timing = _run(grid, out_dir, lambda f, text: progress(0.3 + 0.7 * f, text))
+        timing = _run(grid, out_dir, lambda f, text: progress(0.3 + 0.7 * f, text),
+                      lambda case: by_spec[case.variant])
         out["timing"] = {**timing, "specs": specs}
     return out
 

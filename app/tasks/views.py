@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from app.tasks.mods import code_shape, device, mods_for, time_limit
+from app.tasks.mods import code_shape, device, mods_for, namespace_for, time_limit
 from app.usercode import code_shape_mismatch
 from bench.flops import attention_flops, block_density
 from flexcore import create_block_mask, create_mask, noop_mask
@@ -34,8 +34,8 @@ def prepare(code: str, shape: dict, seed: int) -> dict:
         (:class:`app.usercode.UserCodeError`, :class:`app.tasks.mods.CodeTimeout`).
     """
     mods = mods_for(code, shape, seed)
-    out = {"ok": True, "tensors": sorted(mods.tensors),
-           "mismatch": code_shape_mismatch(mods, shape)}
+    out = {"ok": True, "tensors": sorted(mods.captured),
+           "mismatch": code_shape_mismatch(namespace_for(code, shape, seed), shape)}
     with time_limit(code):
         if mods.score_mod is not None:
             out["score_source"] = lower_score_mod(mods.score_mod).source

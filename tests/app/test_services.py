@@ -106,8 +106,8 @@ def test_code_creates_its_tensors_on_the_workbench_device():
             "def score_mod(score, b, h, q_idx, kv_idx):\n    return score + bias[h]\n")
     shape = {"B": 1, "Hq": 2, "Hkv": 2, "Q_LEN": 8, "KV_LEN": 8, "D": 8, "device": "meta"}
     mods = run_code(code, shape)
-    assert mods.tensors["bias"].device.type == "meta"
-    assert mods.tensors["host"].device.type == "cpu"
+    assert mods.captured["bias"].device.type == "meta"
+    assert mods.captured["host"].device.type == "cpu"
     assert torch.empty(1).device.type == "cpu"  # the default is restored afterwards
 
 

@@ -86,6 +86,23 @@ def test_an_unseeded_randn_is_the_same_tensor_in_every_action(worker):
     assert other["min"] != first["min"]
 
 
+def test_a_benchmark_in_the_worker_runs_the_code_once_and_reports_progress(worker, tmp_path):
+    # The code counts its own runs in a file (the worker is another process): Visualise's check
+    # and the benchmark after it share one run; bench's progress reaches the end.
+    log = tmp_path / "runs.txt"
+    code = f"open({str(log)!r}, 'a').write('run\\n')\n" + CAUSAL
+    shape = {**SHAPE, "Q_LEN": 32, "KV_LEN": 32}
+    assert prepare(worker, code, shape)["ok"]
+    fractions = []
+    result = worker.call("benchmark", {"code": code, "shape": shape, "seed": 0, "title": "count",
+                                       "passes": ["fwd"], "out_dir": str(tmp_path / "bench")},
+                         300, lambda fraction, text: fractions.append(fraction))
+    assert log.read_text().splitlines() == ["run"]
+    assert fractions and fractions == sorted(fractions) and fractions[-1] == 1.0
+    sdpa = {r["metric"]: r["value"] for r in result["rows"] if r["provider"] == "sdpa_math"}
+    assert sdpa["out_correct"] == 1 and sdpa["time_ms"] > 0
+
+
 def test_exit_statuses_are_described_in_words():
     assert "SIGKILL" in describe_exit(-9) and "segmentation fault" in describe_exit(-11)
     assert describe_exit(3) == "exited with status 3"

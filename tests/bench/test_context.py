@@ -59,11 +59,11 @@ def test_sliced_run_checks_and_passes(tmp_path):
 
 
 def test_long_decode_is_checked_on_slices():
-    from bench.mods import Mods
+    from variants.core import Mods
 
     def ctx(kv_len):
         case = Case("noop", 2, 32, 8, 1, kv_len, 128, 128, "bfloat16", "decode")
-        return CaseContext(case, Settings(), torch.device("cpu"), Mods("noop", None, None))
+        return CaseContext(case, Settings(), torch.device("cpu"), Mods())
 
     # 2·32·1024·256 float64 elements of repeated K/V fit the budget; 2·32·8192·256 do not.
     assert ctx(1024).coverage() == "all"

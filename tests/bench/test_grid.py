@@ -88,10 +88,10 @@ def test_registry_variant_and_mod_file_resolve(tmp_path):
 
     mods = resolve(f"{ALIBI}+{CAUSAL}", B=1, H=4, KV_HEADS=4, Q_LEN=8, KV_LEN=8, D=4, device="cpu")
     assert mods.score_mod is not None and mods.mask_mod is not None
-    assert [t.requires_grad for _, t in mods.captured] == [True]
+    assert [t.requires_grad for t in mods.captured.values()] == [True]
     reg = resolve("relative_bias(max_distance=4)", B=1, H=2, KV_HEADS=2, Q_LEN=8, KV_LEN=8, D=4,
                   device="cpu")
-    assert reg.score_mod is not None and any(t.requires_grad for _, t in reg.captured)
+    assert reg.score_mod is not None and any(t.requires_grad for t in reg.captured.values())
     with pytest.raises(VariantError, match="unknown variant"):
         resolve("no_such_variant", B=1, H=1, KV_HEADS=1, Q_LEN=8, KV_LEN=8, D=4, device="cpu")
 

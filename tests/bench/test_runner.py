@@ -189,3 +189,87 @@ def test_bench_imports_no_plotting_or_streamlit():
             "bad = [m for m in ('plotly', 'streamlit', 'matplotlib') if m in sys.modules]\n"
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- the library entry point: mods in memory, a progress callback -------------------------------
+
+def _progress_log():
+    calls = []
+    return calls, lambda done, total, case: calls.append((done, total, case.case_id))
+
+
+def _assert_progress(calls, grid):
+    # Each case reports as it starts and as it ends, in order; done only grows, and ends at total.
+    total = len(grid.cases)
+    assert [c[1] for c in calls] == [total] * 2 * total
+    assert [c[0] for c in calls] == [d for i in range(total) for d in (i, i + 1)]
+    assert [c[2] for c in calls[::2]] == [c.case_id for c in grid.cases] == [c[2] for c in calls[1::2]]
+
+
+def test_run_grid_with_mods_in_memory_equals_the_spec_run(tmp_path):
+    # The same mods given in memory (a function of the case) give the same rows as the spec
+    # resolved by bench: same inputs (seeded by case id), same errors, same captured gradient.
+    from bench.mods import resolve
+
+    grid = small_grid(variants=[f"{ALIBI}+{CAUSAL}"])
+    by_spec = runner.run_grid(grid, tmp_path / "spec")
+    built = []
+
+    def mods(case):
+        built.append(case.case_id)
+        return resolve(case.variant, B=case.batch, H=case.q_heads, KV_HEADS=case.kv_heads,
+                       Q_LEN=case.q_len, KV_LEN=case.kv_len, D=case.head_dim, device="cpu")
+
+    calls, progress = _progress_log()
+    in_memory = runner.run_grid(grid, mods=mods, progress=progress)  # no folder: a temporary one
+    assert built == [c.case_id for c in grid.cases]  # once per case
+    _assert_progress(calls, grid)
+    assert in_memory["complete"] and in_memory["cases_done"] == len(grid.cases)
+
+    def errors(data):
+        return {(r["case_id"], r["provider"], r["metric"]): r["value"] for r in data["rows"]
+                if r["metric"].endswith(("_max_abs", "_correct"))}
+
+    assert errors(in_memory) == errors(by_spec)
+    assert any(k[2] == "dcap0_correct" for k in errors(in_memory))
+
+
+def test_run_grid_labels_rows_with_the_case_and_names_captured_gradients(tmp_path):
+    # One Mods object for every case; the case's variant text is only a label (it names no
+    # registry variant or file). The learnable tensor's rows use its name in ``captured``.
+    import dataclasses
+
+    from variants.core import Mods, Shape
+
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], requires_grad=True)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    mods = Mods(alibi, causal, {"slopes": slopes}, Shape(2, 4, 40, 72))
+    grid = small_grid(variants=[CAUSAL])
+    grid.cases[:] = [dataclasses.replace(c, variant="my experiment") for c in grid.cases]
+    calls, progress = _progress_log()
+    out = tmp_path / "mine"
+    data = runner.run_grid(grid, out, mods=mods, progress=progress)
+    _assert_progress(calls, grid)
+    assert (out / "results.json").exists() and runner.load_results(out)["rows"] == data["rows"]
+    rows = data["rows"]
+    assert {r["variant"] for r in rows} == {"my experiment"}
+    for case in grid.cases:
+        mine = {r["metric"]: r for r in _by(rows, case_id=case.case_id, provider="sdpa_math")}
+        assert mine["out_correct"]["value"] == 1
+        if case.pass_ == "fwd_bwd":
+            assert mine["dslopes_correct"]["value"] == 1 and mine["dslopes_rel_fro"]["value"] < 1e-5
+    # A function that fails for a case makes that case's rows errors, naming the failure.
+    grid.cases[:] = grid.cases[:1]
+
+    def broken(case):
+        raise ValueError("no mods for this shape")
+
+    rows = runner.run_grid(grid, mods=broken)["rows"]
+    assert [r["status"] for r in rows] == ["error"]
+    assert "no mods for this shape" in rows[0]["note"]

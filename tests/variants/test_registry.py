@@ -194,3 +194,29 @@ def test_kv_len_defaults_to_the_variant_layout():
     assert flamingo.default_kv_len(100, tokens_per_image=8, num_images=3) == 24
     assert flamingo.make(Q_LEN=100, tokens_per_image=8, num_images=3).shape.KV_LEN == 24
     assert variants.get("causal").make(Q_LEN=100).shape.KV_LEN == 100
+
+
+@pytest.mark.parametrize("name,setting", CASES)
+def test_learnable_is_the_captured_tensors_that_require_grad(name, setting):
+    mods = make_case(name, setting)
+    assert mods.learnable == {k: t for k, t in mods.captured.items() if t.requires_grad}
+    for key, tensor in mods.learnable.items():
+        assert mods.captured[key] is tensor
+
+
+def test_bench_specs_resolve_to_the_gallery_mods_type():
+    # One Mods type: a bench spec of a registry variant resolves to variants.Mods, with the
+    # variant's learnable tensors under their own names and the case's shape.
+    from bench import mods as bench_mods
+
+    mods = bench_mods.resolve("kerple+causal", B=1, H=HEADS, KV_HEADS=HEADS, Q_LEN=48, KV_LEN=64,
+                              D=16, device="cpu")
+    assert type(mods) is variants.Mods
+    assert set(mods.learnable) == {"r1", "r2"} and mods.mask_mod is not None
+    assert (mods.shape.B, mods.shape.H, mods.shape.Q_LEN, mods.shape.KV_LEN) == (1, HEADS, 48, 64)
+    assert bench_mods.VariantError is VariantError
+    shifted = bench_mods.offset_indices(mods, q0=16)
+    assert type(shifted) is variants.Mods and shifted.captured == mods.captured
+    q = torch.arange(48).view(48, 1)
+    kv = torch.arange(64).view(1, 64)
+    assert torch.equal(shifted.mask_mod(0, 0, q, kv), mods.mask_mod(0, 0, q + 16, kv))
