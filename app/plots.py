@@ -286,3 +286,33 @@ def case_bars(rows: Sequence[dict], title: str, value_label: str, log_x: bool = 
         fig.update_xaxes(title_text=value_label)
     fig.for_each_annotation(lambda a: a.update(text=a.text.split("=", 1)[-1]))
     return fig
+
+
+#: What each context-parallel scaling chart shows: (key of bench.cp.scaling_table, axis title).
+CP_METRICS = {"tflops": "per-GPU TFLOP/s (forward+backward)",
+              "scaling_eff": "scaling efficiency (per-GPU TFLOP/s ÷ one GPU's)"}
+
+
+def cp_scaling(table: Sequence[dict], metric: str, title: str):
+    """One line per (provider, global S) against the number of GPUs, from bench.cp.scaling_table.
+    The single-GPU ``flexlab`` point starts every flexlab line, so a line reads as its scaling."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    lines: dict = {}
+    for e in table:
+        if e.get(metric) is None or e["provider"] == "flexlab":
+            continue
+        lines.setdefault((e["provider"], e["seq"]), []).append(e)
+    single = {e["seq"]: e for e in table if e["provider"] == "flexlab" and e["gpus"] == 1}
+    for (provider, seq), points in sorted(lines.items()):
+        start = single.get(seq) if metric == "tflops" and provider.startswith("flexlab") else None
+        points = ([start] if start else []) + sorted(points, key=lambda e: e["gpus"])
+        fig.add_scatter(x=[e["gpus"] for e in points], y=[e[metric] for e in points],
+                        name=f"{provider}, S={seq:,}", mode="lines+markers")
+    gpus = sorted({e["gpus"] for e in table})
+    fig.update_layout(title=title, height=400, legend_title_text="provider, global S",
+                      margin=dict(l=10, r=10, t=50, b=10))
+    fig.update_xaxes(title_text="GPUs", tickmode="array", tickvals=gpus, ticktext=[str(g) for g in gpus])
+    fig.update_yaxes(title_text=CP_METRICS.get(metric, metric), rangemode="tozero", tickformat="~g")
+    return fig

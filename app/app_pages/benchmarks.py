@@ -5,6 +5,7 @@ import streamlit as st
 
 from app import plots, services, ui
 from app.services import bench, tables
+from bench import cp as cp_bench
 
 st.title("Benchmarks")
 lim = services.limits()
@@ -101,6 +102,30 @@ if table:
     ui.table((header, body))
 else:
     st.warning("No successful timings in the chosen results.")
+
+cp_runs = [label for label in chosen if cp_bench.is_cp_results(runs[label].get("rows", []))]
+if cp_runs:
+    st.subheader("Context parallel: scaling with the number of GPUs")
+    st.caption("From `python -m bench.cp` (torchrun): per-GPU forward+backward TFLOP/s with "
+               "density-scaled FLOPs, and the efficiency against one GPU at the same tokens per GPU.")
+    cp_label = st.selectbox("Results", cp_runs, key="bm_cp_run") if len(cp_runs) > 1 else cp_runs[0]
+    cp_table = cp_bench.scaling_table(runs[cp_label]["rows"])
+    cp_variants = sorted({e["variant"] for e in cp_table})
+    if cp_variants:
+        cp_variant = st.selectbox("Mask", cp_variants, key="bm_cp_variant")
+        shown_cp = [e for e in cp_table if e["variant"] == cp_variant]
+        for cp_metric in plots.CP_METRICS:
+            st.plotly_chart(plots.cp_scaling(shown_cp, cp_metric, f"{cp_variant}: "
+                                             f"{plots.CP_METRICS[cp_metric]}"),
+                            key=f"bm_cp_{cp_metric}", width="stretch")
+        header = ["provider", "global S", "GPUs", "per-GPU TFLOP/s", "efficiency", "median ms",
+                  "comm ms", "comm hidden ms"]
+        body = [[e["provider"], f"{e['seq']:,}", str(e["gpus"])]
+                + [tables.fmt(e.get(k)) for k in ("tflops", "scaling_eff", "time_ms", "comm_ms",
+                                                   "comm_hidden_ms")] for e in shown_cp]
+        ui.table((header, body))
+    else:
+        st.warning("These context-parallel results hold no successful timings.")
 
 skipped = [r for label in chosen for r in bench.status_table(runs[label], label)]
 if skipped:
