@@ -458,9 +458,54 @@ def block_mask_of(spec: CallSpec, lowered: Lowered, tables, block, mask_caps, nu
     return mask
 
 
+class _Prepared:
+    """An op call's host work for one set of inputs: what :func:`_prepare` returns, and the
+    tensors it was made for (held, so that their ids in the key stay theirs; the table that
+    keeps the entry is not held by it)."""
+
+    __slots__ = ("result", "held", "checked")
+
+    def __init__(self, result: tuple, held: tuple, checked: bool):
+        self.result, self.held, self.checked = result, held, checked
+
+
+_prepared_calls: dict = {}  # calls without tables (no mask)
+_CALLS_LIMIT = 64
+_PREPARED_PER_HOLDER = 8
+
+
 def _prepare(call, tables, block, score_caps, mask_caps, numbers, query, key):
-    """(spec, lowered, BlockMask, score LoweredMod, mask LoweredMod) of an op call."""
+    """(spec, lowered, BlockMask, score LoweredMod, mask LoweredMod) of an op call.
+
+    A training step calls the op with the same key, numbers, BlockMask tables, captured tensors
+    and shapes every time: that call's result is kept (on the kv_num_blocks table, so it leaves
+    with the mask, or in a small module cache without one) and found with one dict lookup. Index
+    checks that read captured values still run at every call where they apply."""
+    ident = (call, numbers, *block, *map(id, tables), *map(id, score_caps), *map(id, mask_caps),
+             *query.shape, *key.shape)
+    holder = tables[0]
+    kept = _prepared_calls if holder is None else holder.__dict__.get("_flexcore_prepared")
+    entry = None if kept is None else kept.get(ident)
+    if entry is None:
+        entry = _prepare_new(call, tables, block, score_caps, mask_caps, numbers, query, key)
+        if kept is None:
+            kept = holder.__dict__["_flexcore_prepared"] = {}
+        if len(kept) >= (_CALLS_LIMIT if holder is None else _PREPARED_PER_HOLDER):
+            kept.pop(next(iter(kept)))
+        kept[ident] = entry
+    elif not entry.checked:
+        spec, _, _, score, mask = entry.result
+        from flexcore import attention
+
+        attention.check_indices(score, mask, query.shape[0], query.shape[1], query.shape[2],
+                                key.shape[2], spec.opts)
+    return entry.result
+
+
+
+def _prepare_new(call, tables, block, score_caps, mask_caps, numbers, query, key) -> _Prepared:
     from flexcore import attention
+    from flexcore._runtime import use_interpreter
 
     attention.ready()
     spec = spec_of(call)
@@ -469,7 +514,11 @@ def _prepare(call, tables, block, score_caps, mask_caps, numbers, query, key):
     score, mask = spec.bind(lowered, score_caps, mask_caps)
     attention.check_indices(score, mask, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
                             spec.opts)
-    return spec, lowered, block_mask, score, mask
+    # Checks that read captured values run at every call (the interpreter, check_indices=True);
+    # the rest depend only on what the key fixes, so they are done.
+    checked = not (use_interpreter() or spec.opts.check_indices)
+    return _Prepared((spec, lowered, block_mask, score, mask),
+                     (tuple(tables[1:]), tuple(score_caps), tuple(mask_caps)), checked)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -493,9 +542,17 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
-@torch.library.custom_op(
-    "flexcore::flex_attention_forward", mutates_args=(), tags=_TAGS,
-    schema=f"(Tensor query, Tensor key, Tensor value, {_INPUTS}) -> (Tensor, Tensor, Tensor)")
+# The ops are defined with torch.library directly, not with torch.library.custom_op: its wrappers
+# (an aliasing check over every input and output, a dynamo-disable frame) cost more host time per
+# call than a small attention call's kernels take, and the outputs here are always fresh tensors.
+_lib = torch.library.Library("flexcore", "DEF")
+_lib.define(f"flex_attention_forward(Tensor query, Tensor key, Tensor value, {_INPUTS}) "
+            f"-> (Tensor, Tensor, Tensor)", tags=_TAGS)
+_lib.define(f"flex_attention_backward(Tensor query, Tensor key, Tensor value, Tensor out, "
+            f"Tensor row_stats, Tensor grad_out, Tensor? grad_lse, {_INPUTS}) "
+            f"-> (Tensor, Tensor, Tensor, Tensor[])", tags=_TAGS)
+
+
 def flex_attention_forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
                            full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks,
                            full_q_indices, score_captured, mask_captured, score_ints, score_floats,
@@ -518,7 +575,10 @@ def flex_attention_forward(query, key, value, kv_num_blocks, kv_indices, full_kv
     return out, lse, row_stats
 
 
-@flex_attention_forward.register_fake
+_lib.impl("flex_attention_forward", flex_attention_forward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flexcore::flex_attention_forward", lib=_lib)
 def _forward_fake(query, key, value, *rest):
     from flexcore import attention
 
@@ -534,10 +594,6 @@ def _forward_fake(query, key, value, *rest):
             query.new_empty((2, B, Hq, L), dtype=acc))
 
 
-@torch.library.custom_op(
-    "flexcore::flex_attention_backward", mutates_args=(), tags=_TAGS,
-    schema=f"(Tensor query, Tensor key, Tensor value, Tensor out, Tensor row_stats, "
-           f"Tensor grad_out, Tensor? grad_lse, {_INPUTS}) -> (Tensor, Tensor, Tensor, Tensor[])")
 def flex_attention_backward(query, key, value, out, row_stats, grad_out, grad_lse, kv_num_blocks,
                             kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
                             full_q_num_blocks, full_q_indices, score_captured, mask_captured,
@@ -564,7 +620,10 @@ def flex_attention_backward(query, key, value, out, row_stats, grad_out, grad_ls
     return dq, dk, dv, cap_grads
 
 
-@flex_attention_backward.register_fake
+_lib.impl("flex_attention_backward", flex_attention_backward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flexcore::flex_attention_backward", lib=_lib)
 def _backward_fake(query, key, value, out, row_stats, grad_out, grad_lse, *rest):
     score_captured, call = rest[len(_TABLES)], rest[-2]
     spec = spec_of(call)
@@ -609,7 +668,7 @@ def _backward(ctx, grad_out, grad_lse, _grad_row_stats):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     call = ctx.rest[-2]
-    dq, dk, dv, cap_grads = flex_attention_backward(
+    dq, dk, dv, cap_grads = torch.ops.flexcore.flex_attention_backward.default(
         query, key, value, out, row_stats, grad_out, grad_lse, *tables, score_captured,
         mask_captured, *ctx.rest)
     grads = [None] * n_score
@@ -618,7 +677,8 @@ def _backward(ctx, grad_out, grad_lse, _grad_row_stats):
     return (dq, dk, dv, *[None] * len(_TABLES), grads, [None] * n_mask) + no_grads
 
 
-flex_attention_forward.register_autograd(_backward, setup_context=_setup_context)
+torch.library.register_autograd("flexcore::flex_attention_forward", _backward,
+                                setup_context=_setup_context, lib=_lib)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -653,7 +713,7 @@ def compiled_flex_attention(query, key, value, score_mod, block_mask, scale, ena
     call = register_call(None if score is None else score.constants,
                          None if mask is None else mask.constants, query.dtype, device.type,
                          kernel_options, want_max)
-    out, lse, row_stats = flex_attention_forward(
+    out, lse, row_stats = torch.ops.flexcore.flex_attention_forward.default(
         query, key, value, *tables, [] if score is None else score.captured,
         [] if mask is None else mask.captured, [] if score is None else score.ints,
         [] if score is None else score.floats, [] if mask is None else mask.ints,
