@@ -257,7 +257,7 @@ ANCHOR_VARIANTS = [
     "document(num_documents=8)",  # causal within each document by default
     "softcap_causal(softcap=30)",
 ]
-ANCHOR_PROVIDERS = ["flexlab", "torch_flex", "torch_flex_flash", "flash_attn", "sdpa_cudnn",
+ANCHOR_PROVIDERS = ["flexlab", "torch_flex", "torch_flex_flash", "flash4", "flash_attn", "sdpa_cudnn",
                     "sdpa_flash", "flexlab_paged"]
 _ANCHOR_DECODE = {
     "variants": ["noop", "alibi", "sliding_window(window_size=1024)"],

@@ -1,4 +1,5 @@
-"""Attention providers the runner compares: flexlab, torch flex_attention, SDPA backends, flash_attn.
+"""Attention providers the runner compares: flexlab, torch flex_attention (Triton and FLASH backends),
+SDPA backends, flash_attn and FlashAttention-4.
 
 Each provider says whether it runs on this machine (``available``) and turns a case into a call
 (``prepare``), so that building masks and compiling happen before timing. A provider that cannot
@@ -245,12 +246,102 @@ def compile_failure_text(exc: BaseException) -> str:
     return text[:400]
 
 
+# ---- FlashAttention-4 (flash_attn.cute) support rules -----------------------------------------
+
+#: The compute capabilities (major) FlashAttention-4's kernels are built for.
+FA4_ARCHS = {9: "Hopper (sm_90)", 10: "Blackwell (sm_100)", 11: "Blackwell (sm_110)"}
+
+
 def _flash_cute_error() -> str | None:
+    """Why ``flash_attn.cute`` does not import here (one line), or None when it does."""
     try:
         importlib.import_module("flash_attn.cute")
         return None
     except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def fa4_versions() -> str:
+    """The installed FlashAttention-4 and CuTe DSL versions, e.g. "flash-attn-4 4.0.0b36,
+    nvidia-cutlass-dsl 4.8.1" (names whose metadata is absent are left out)."""
+    from importlib import metadata
+
+    found = []
+    for dist in ("flash-attn-4", "nvidia-cutlass-dsl"):
+        try:
+            found.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return ", ".join(found)
+
+
+def fa4_arch_reason(device: torch.device) -> str | None:
+    """Why FlashAttention-4 cannot run on this device, or None on a Hopper or Blackwell GPU."""
+    if device.type != "cuda":
+        return "FlashAttention-4 needs a CUDA GPU (Hopper or Blackwell)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in FA4_ARCHS:
+        return (f"FlashAttention-4 runs on Hopper (sm_90) and Blackwell (sm_100/sm_110) GPUs; "
+                f"this GPU is sm_{major}{minor}")
+    return None
+
+
+def cuda_major(device: torch.device) -> int | None:
+    """The device's compute capability major (9 for Hopper), or None off CUDA."""
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+
+
+def fa4_input_reason(dtype: str, head_dim: int, v_head_dim: int, major: int | None) -> str | None:
+    """Why FlashAttention-4 refuses inputs of this dtype and head dims on a GPU of this compute
+    capability (major; None: no CUDA GPU), or None when it takes them.
+
+    The rule is flash_attn.cute's own (it asserts it at the first call): 16-bit inputs, head dims a
+    multiple of 8 (16-byte rows); up to 256 on Hopper; up to 128 on Blackwell, plus (192, 128),
+    (256, 256) and the 512-wide value heads of its MLA kernels.
+    """
+    if major is None:
+        return "FlashAttention-4 needs a CUDA GPU (Hopper or Blackwell)"
+    if major not in FA4_ARCHS:
+        return (f"FlashAttention-4 runs on Hopper (sm_90) and Blackwell (sm_100/sm_110) GPUs, not "
+                f"compute capability {major}.x")
+    if dtype not in ("bfloat16", "float16"):
+        return f"FlashAttention-4 takes float16/bfloat16, not {dtype}"
+    dims = (head_dim, v_head_dim)
+    if head_dim % 8 or v_head_dim % 8:
+        return f"FlashAttention-4 needs head dims that are multiples of 8, not (D, Dv)={dims}"
+    if major == 9:
+        if not (8 <= head_dim <= 256 and 8 <= v_head_dim <= 256):
+            return f"FlashAttention-4 on Hopper takes head dims 8..256, not (D, Dv)={dims}"
+        return None
+    if (8 <= head_dim <= 128 and 8 <= v_head_dim <= 128) or dims in ((192, 128), (256, 256)) or (
+            v_head_dim == 512 and head_dim in (64, 512)):
+        return None
+    return (f"FlashAttention-4 on Blackwell takes head dims 8..128, (192, 128), (256, 256) or "
+            f"(64 or 512, 512), not (D, Dv)={dims}")
+
+
+def flash_backend_refusal(exc: BaseException) -> str | None:
+    """torch's reason when its FLASH backend refused a case while compiling (one line), or None
+    when ``exc`` is another failure.
+
+    torch raises "BACKEND='FLASH' but flash attention cannot be used: <reason>" or a
+    NotImplementedError, which torch.compile wraps in its own exception types.
+    """
+    marker = "BACKEND='FLASH' but flash attention cannot be used"
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        text = str(link)
+        if marker in text:
+            return text[text.index(marker):].splitlines()[0]
+        if isinstance(link, NotImplementedError):
+            return f"NotImplementedError: {text.splitlines()[0] if text else ''}"
+        link = link.__cause__ or link.__context__
+    text = str(exc)
+    if "NotImplementedError: " in text:
+        return text[text.index("NotImplementedError: "):].splitlines()[0]
+    return None
 
 
 class TorchFlexProvider(Provider):
@@ -307,6 +398,10 @@ class TorchFlexProvider(Provider):
 
 
 class TorchFlexFlashProvider(TorchFlexProvider):
+    """torch's compiled flex_attention with ``kernel_options={"BACKEND": "FLASH"}``: torch lowers the
+    mods to CuTe DSL and runs FlashAttention-4's kernels. Cases torch's FLASH backend refuses (its
+    own reason) or FlashAttention-4 cannot take (dtype, head dims) are "unsupported" rows."""
+
     name = "torch_flex_flash"
     description = "torch flex_attention with kernel_options BACKEND=FLASH (FlashAttention-4 via flash_attn.cute)"
     kernel_options = {"BACKEND": "FLASH"}
@@ -315,10 +410,34 @@ class TorchFlexFlashProvider(TorchFlexProvider):
         ok, why = super().available(device)
         if not ok:
             return ok, why
+        reason = fa4_arch_reason(device)
+        if reason is not None:
+            return False, f"BACKEND=FLASH: {reason}"
         err = _flash_cute_error()
         if err is not None:
             return False, f"flash_attn.cute (FlashAttention-4) does not import: {err}"
-        return True, "torch flex_attention, compiled, BACKEND=FLASH"
+        return True, f"torch flex_attention, compiled, BACKEND=FLASH ({fa4_versions()})"
+
+    def prepare(self, ctx):
+        c = ctx.case
+        reason = fa4_input_reason(c.dtype, c.head_dim, c.v_head_dim, cuda_major(ctx.device))
+        if reason is not None:
+            raise Unsupported(reason)
+        prepared = super().prepare(ctx)
+        prepared.note = "; ".join(filter(None, ["BACKEND=FLASH", prepared.note]))
+        inner = prepared.call
+
+        def call(q, k, v):
+            try:
+                return inner(q, k, v)
+            except Exception as exc:
+                refusal = flash_backend_refusal(exc)
+                if refusal is None:
+                    raise
+                raise Unsupported(f"torch's FLASH backend refused the case: {refusal}") from None
+
+        prepared.call = call
+        return prepared
 
 
 # ---- SDPA -------------------------------------------------------------------------------------
@@ -465,15 +584,18 @@ class SDPACudnn(SDPAProvider):
     name, backend, description = "sdpa_cudnn", "CUDNN_ATTENTION", "SDPA cuDNN backend"
 
 
-# ---- flash_attn package (FA2 / FA3 / FA4 dense) -----------------------------------------------
+# ---- flash_attn package (FA2 / FA3) and FlashAttention-4 (flash_attn.cute) ---------------------
 
 
 class FlashAttnProvider(Provider):
     """The flash_attn package: causal / sliding window (bottom-right aligned), softcap, ALiBi."""
 
     name = "flash_attn"
+    title = "flash_attn"
     description = "flash_attn package (FA3 flash_attn_interface if present, else FA2 flash_attn)"
     modules = (("flash_attn_interface", "FA3"), ("flash_attn", "FA2"))
+    score_mod_refusal = ("flash_attn expresses softcap and ALiBi (FA2, with causal) only; this "
+                         "score_mod is neither")
 
     def _load(self):
         errors = []
@@ -494,18 +616,20 @@ class FlashAttnProvider(Provider):
             return False, f"not installed ({exc})"
         return True, label
 
-    def prepare(self, ctx):
+    def arguments(self, ctx: CaseContext, label: str, major: int | None) -> tuple[dict, list[str]]:
+        """(keyword arguments of ``flash_attn_func``, notes) expressing the case's variant on a GPU
+        of compute capability ``major`` (None: no CUDA GPU), or raise :class:`Unsupported` with the
+        reason."""
         c = ctx.case
         if c.dtype not in ("bfloat16", "float16"):
-            raise Unsupported(f"flash_attn takes float16/bfloat16, not {c.dtype}")
-        fn, label = self._load()
+            raise Unsupported(f"{self.title} takes float16/bfloat16, not {c.dtype}")
         shape = ctx.mask_shape()
         bottom_right = c.kv_len - c.q_len
         kwargs: dict = {}
         notes = []
         if shape.kind in ("causal", "window"):
             if shape.offset != bottom_right:
-                raise Unsupported("flash_attn aligns causal masks bottom-right; this mask is top-left "
+                raise Unsupported(f"{self.title} aligns causal masks bottom-right; this mask is top-left "
                                   f"with Q_LEN={c.q_len} != KV_LEN={c.kv_len}")
             kwargs["causal"] = True
             notes.append("causal")
@@ -513,26 +637,30 @@ class FlashAttnProvider(Provider):
                 kwargs["window_size"] = (shape.window - 1, 0)
                 notes.append(f"window_size=({shape.window - 1}, 0)")
         elif shape.kind != "none":
-            raise Unsupported("flash_attn expresses no mask, causal and causal sliding window only")
+            raise Unsupported(f"{self.title} expresses no mask, causal and causal sliding window only")
         if not ctx.score_is_trivial():
             cap = dense.softcap_value(ctx.mods.score_mod, c.batch, c.q_heads, c.q_len, c.kv_len,
                                       ctx.device)
-            slopes = None if cap is not None else dense.alibi_slopes(
+            slopes = None if cap is not None or label != "FA2" else dense.alibi_slopes(
                 ctx.mods.score_mod, shape, c.batch, c.q_heads, c.q_len, c.kv_len, ctx.device)
             if cap is not None:
                 # flash_attn caps the scaled score, as flex's score_mod sees it.
                 kwargs["softcap"] = cap
                 notes.append(f"softcap={cap:g}")
-            elif slopes is not None and label == "FA2":
+            elif slopes is not None:
                 # FA2 adds -slope·|i + KV_LEN - Q_LEN - j| to the scaled score; under the causal
                 # mask that is the ALiBi bias the score_mod computes.
                 kwargs["alibi_slopes"] = slopes.float()
                 notes.append("alibi_slopes")
             else:
-                raise Unsupported("flash_attn expresses softcap and ALiBi (FA2, with causal) only; this "
-                                  "score_mod is neither")
+                raise Unsupported(self.score_mod_refusal)
         if ctx.learnable and ctx.needs_grad:
-            raise Unsupported("flash_attn cannot return gradients of the variant's captured tensors")
+            raise Unsupported(f"{self.title} cannot return gradients of the variant's captured tensors")
+        return kwargs, notes
+
+    def prepare(self, ctx):
+        fn, label = self._load()
+        kwargs, notes = self.arguments(ctx, label, cuda_major(ctx.device))
 
         def call(q, k, v):
             out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs)
@@ -544,16 +672,41 @@ class FlashAttnProvider(Provider):
 
 
 class FlashAttn4Provider(FlashAttnProvider):
-    name = "fa4"
+    """FlashAttention-4's dense kernels (``flash_attn.cute.flash_attn_func``) on the (B, S, H, D)
+    layout: no mask, causal and causal sliding window (bottom-right aligned, ``window_size``),
+    softcap, GQA. Other masks and score_mods need CuTe DSL mods: see ``torch_flex_flash``."""
+
+    name = "flash4"
+    title = "FlashAttention-4"
     description = "FlashAttention-4 dense kernels (flash_attn.cute.flash_attn_func)"
     modules = (("flash_attn.cute", "FA4"),)
+    score_mod_refusal = ("FlashAttention-4's flash_attn_func expresses a softcap only (no ALiBi "
+                         "slopes, no other score_mod); this score_mod is not a softcap")
+
+    def available(self, device):
+        reason = fa4_arch_reason(device)
+        if reason is not None:
+            return False, reason
+        err = _flash_cute_error()
+        if err is not None:
+            return False, f"flash_attn.cute (FlashAttention-4) does not import: {err}"
+        major = torch.cuda.get_device_capability(device)[0]
+        return True, f"FA4 flash_attn.cute on {FA4_ARCHS[major]} ({fa4_versions()})"
+
+    def arguments(self, ctx, label, major):
+        c = ctx.case
+        reason = fa4_input_reason(c.dtype, c.head_dim, c.v_head_dim, major)
+        if reason is not None:
+            raise Unsupported(reason)
+        return super().arguments(ctx, label, major)
 
 
 # ---- registry ---------------------------------------------------------------------------------
 
 PROVIDERS: dict[str, Provider] = {p.name: p for p in (
-    FlexlabProvider(), FlexlabCompiledProvider(), FlexlabPagedProvider(), TorchFlexProvider(), TorchFlexFlashProvider(), SDPAMath(), SDPAEfficient(),
-    SDPAFlash(), SDPACudnn(), FlashAttnProvider(), FlashAttn4Provider())}
+    FlexlabProvider(), FlexlabCompiledProvider(), FlexlabPagedProvider(), TorchFlexProvider(),
+    TorchFlexFlashProvider(), SDPAMath(), SDPAEfficient(), SDPAFlash(), SDPACudnn(), FlashAttnProvider(),
+    FlashAttn4Provider())}
 
 
 def get(name: str) -> Provider:

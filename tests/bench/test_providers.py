@@ -17,7 +17,7 @@ def test_cpu_availability_and_reasons():
     assert set(avail) == set(prov.PROVIDERS)
     assert avail["sdpa_math"][0] and avail["flexlab"][0]
     for name in ("torch_flex", "torch_flex_flash", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
-                 "flash_attn", "fa4"):
+                 "flash_attn", "flash4"):
         ok, why = avail[name]
         assert not ok and why, name
     assert "GPU" in avail["torch_flex"][1] and "CUDA" in avail["sdpa_flash"][1]
