@@ -10,6 +10,7 @@ import re
 import streamlit as st
 
 from app import experiments, services
+from app.names import file_safe
 from app.services import tables
 from app.usercode import CodeProblem
 
@@ -194,7 +195,8 @@ def experiments_sidebar(code: str, shape: dict, seed: int) -> None:
 
 
 def file_stem(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-") or "experiment"
+    """``name`` as a download's file name stem."""
+    return file_safe(name, "experiment", sep="-", keep="._-")
 
 
 def conflict_banner(code: str, shape: dict, seed: int) -> None:

@@ -24,6 +24,7 @@ from flexcore._validate import check_block_mask, check_qkv
 from flexcore.errors import InputError
 from flexcore.interop import coerce_block_mask
 from flexcore.options import KernelOptions
+from flexcore.sinks import apply_sinks, check_finite_sinks, check_sinks
 
 __all__ = ["flex_attention", "AuxRequest", "AuxOutput"]
 
@@ -88,7 +89,7 @@ def validate_inputs(query, key, value, block_mask, scale, enable_gqa) -> None:
 
 
 @functools.lru_cache(maxsize=64)
-def _full_block_mask(L: int, S: int, device: torch.device):
+def full_block_mask(L: int, S: int, device: torch.device):
     """The all-full BlockMask of an (L, S) problem, broadcast over batch and heads."""
     from flexcore.blockmask import create_block_mask
     from flexcore.masks import noop_mask
@@ -126,7 +127,7 @@ def _mask_views(block_mask, B, Hq, kind, build, stamp=None):
     return views
 
 
-def _kv_blocks(block_mask, B, Hq):
+def kv_blocks(block_mask, B, Hq):
     """The BlockMask's key-block tables viewed as (B, Hq, ...) (the views share its storage)."""
     from flexcore.kernels.tables import BlockTensors
 
@@ -172,7 +173,7 @@ def _refine_kv(mask_ref, B, Hq, captured, compute: bool):
 def _finer_tables(block_mask, B, Hq):
     from flexcore.kernels.tables import refine_tables
 
-    return refine_tables(block_mask, B, Hq, _kv_blocks(block_mask, B, Hq))
+    return refine_tables(block_mask, B, Hq, kv_blocks(block_mask, B, Hq))
 
 
 def _q_blocks(block_mask, B, Hq):
@@ -249,7 +250,7 @@ def decode_row_stats(lse: Tensor, max_scores: Tensor | None) -> Tensor:
 def backward_kernels(query, key, value, out, row_stats, grad_out, grad_lse, score_lowered,
                      score_bwd_lowered, mask_lowered, block_mask, blocks, scale, opts):
     """(dq, dk, dv, captured_grads) of flexcore.kernels.backward.backward (``blocks``: the
-    forward's, ``_kv_blocks(block_mask, B, Hq)``); a shared (batch 1) key/value cache gets its
+    forward's, ``kv_blocks(block_mask, B, Hq)``); a shared (batch 1) key/value cache gets its
     gradient summed over the batch."""
     B, Hq = query.shape[:2]
     shared = key.shape[0] != B
@@ -379,7 +380,7 @@ def _prepared(query, key, value, block_mask, scale, enable_gqa, kernel_options, 
     validate_inputs(query, key, value, block_mask, scale, enable_gqa)
     opts = KernelOptions.from_any(kernel_options)
     if block_mask is None:
-        block_mask = _full_block_mask(query.shape[2], key.shape[2], query.device)
+        block_mask = full_block_mask(query.shape[2], key.shape[2], query.device)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     try:
         mask_ref = weakref.ref(block_mask)
@@ -408,7 +409,7 @@ def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     score_lowered = _lowering.lower_score_mod(score_mod, call.score_dtype, fast_math=call.fast_math)
     mask_lowered = _lowering.lower_mask_mod(block_mask.mask_mod)
     check_indices(score_lowered, mask_lowered, call.B, call.Hq, query.shape[2], key.shape[2], call.opts)
-    blocks = _kv_blocks(block_mask, call.B, call.Hq)
+    blocks = kv_blocks(block_mask, call.B, call.Hq)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
                                     or any(t.requires_grad for t in score_lowered.captured)):
         if not call.prefetched:
@@ -457,7 +458,8 @@ def _requested(return_lse, return_aux) -> tuple[bool, bool]:
 
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMod | None = None,
                    block_mask=None, scale: float | None = None, enable_gqa: bool = False,
-                   return_lse: bool = False, kernel_options=None, *, return_aux=None):
+                   return_lse: bool = False, kernel_options=None, *, return_aux=None,
+                   sinks: Tensor | None = None):
     """Attention with a user score_mod and a block-sparse mask, in one fused Triton kernel.
 
     Same signature and semantics as ``torch.nn.attention.flex_attention.flex_attention``; it also
@@ -474,6 +476,10 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
         return_lse: deprecated (as in torch): also return the log-sum-exp of the scores.
         kernel_options: a :class:`flexcore.KernelOptions` or a dict of its fields.
         return_aux: an :class:`AuxRequest` of the auxiliary outputs to return.
+        sinks: (Hq,) learnable attention sinks (gpt-oss): one finite logit per query head that
+            joins every row's softmax denominator, ``out = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} +
+            e^{sinks[h]})``, with any score_mod, mask and GQA; differentiable (its gradient is
+            deterministic). float16, bfloat16, float32 or float64, on the query's device.
 
     Returns:
         out (B, Hq, L, Dv) in the inputs' dtype; with ``return_aux``, ``(out, AuxOutput(lse,
@@ -481,7 +487,9 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
         lse (B, Hq, L) float32 (float64 for float64 inputs) is the natural-log log-sum-exp of each
         row's modded, masked scores and is differentiable (gradients reach q, k and the captured
         tensors); max_scores (same shape and dtype) is each row's largest of those scores, not
-        differentiable. Rows without a kept key have lse and max_scores -inf.
+        differentiable. Rows without a kept key have lse and max_scores -inf. With ``sinks``
+        the lse includes the sink, ``logaddexp(lse_of_scores, sinks[h])`` (so a row without a
+        kept key has output 0 and lse ``sinks[h]``); max_scores remains the scores' max.
 
     Example:
         >>> def alibi(score, b, h, q_idx, kv_idx):
@@ -489,13 +497,22 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
         >>> out = flex_attention(q, k, v, score_mod=alibi, block_mask=causal_mask)
         >>> out, aux = flex_attention(q, k, v, block_mask=causal_mask,
         ...                           return_aux=AuxRequest(lse=True, max_scores=True))
+        >>> sinks = torch.nn.Parameter(torch.zeros(q.shape[1], device=q.device))
+        >>> out = flex_attention(q, k, v, block_mask=window_mask, sinks=sinks)
     """
     if isinstance(query, Tensor) and query.is_nested:  # a ragged batch as one stacked sequence
+        if sinks is not None:
+            raise InputError("sinks is not supported with nested (jagged) query tensors; pad the "
+                             "batch to (B, H, L, D) tensors, or call without sinks")
         from flexcore.nested import nested_flex_attention
 
         return nested_flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                      return_lse, kernel_options, return_aux=return_aux)
     want_lse, want_max = _requested(return_lse, return_aux)
+    if sinks is not None:
+        check_sinks(sinks, query)
+        if sinks.device.type == "cpu" and not torch.compiler.is_compiling():
+            check_finite_sinks(sinks)
     if torch.compiler.is_compiling():
         out, lse, max_scores = ops.compiled_flex_attention(query, key, value, score_mod, block_mask,
                                                            scale, enable_gqa, kernel_options, want_max)
@@ -503,6 +520,10 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
         block_mask = coerce_block_mask(block_mask)  # a torch BlockMask, converted once
         out, lse, max_scores = _eager(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                       kernel_options, want_max)
+    if sinks is not None:
+        # After the kernels, from their (out, lse): exact, the same for every kernel path, and
+        # differentiated by autograd through the kernels' differentiable lse (flexcore.sinks).
+        out, lse = apply_sinks(out, lse, sinks)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if want_lse else None,
                               max_scores=max_scores if want_max else None)

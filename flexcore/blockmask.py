@@ -1430,7 +1430,3 @@ def _unflatten(leaves, context) -> BlockMask:
 register_pytree_node(BlockMask, _flatten, _unflatten,
                      serialized_type_name="flexcore.blockmask.BlockMask",
                      flatten_with_keys_fn=_flatten_with_keys)
-
-
-# flexcore.interop imports the old name; it can import sliced_mask_mod instead.
-_sliced_mask_mod = sliced_mask_mod

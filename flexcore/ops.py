@@ -433,7 +433,7 @@ def block_mask_of(spec: CallSpec, lowered: Lowered, tables, block, mask_caps, nu
     from flexcore import attention
 
     if tables[0] is None:
-        return attention._full_block_mask(query.shape[2], key.shape[2], query.device)
+        return attention.full_block_mask(query.shape[2], key.shape[2], query.device)
     holder = tables[0]
     block = tuple(block)
     ident = (lowered.mask.key, block, numbers[2:], tuple(map(id, tables)), tuple(map(id, mask_caps)))
@@ -568,7 +568,7 @@ def flex_attention_forward(query, key, value, kv_num_blocks, kv_indices, full_kv
                                                 numbers, query, key)
     B, Hq = query.shape[:2]
     out, lse, row_stats, max_scores = attention.forward_kernels(
-        query, key, value, score, mask, attention._kv_blocks(block_mask, B, Hq), scale, spec.opts,
+        query, key, value, score, mask, attention.kv_blocks(block_mask, B, Hq), scale, spec.opts,
         spec.want_max)
     if row_stats is None:
         row_stats = attention.decode_row_stats(lse, max_scores)
@@ -610,7 +610,7 @@ def flex_attention_backward(query, key, value, out, row_stats, grad_out, grad_ls
     B, Hq = query.shape[:2]
     dq, dk, dv, grads = attention.backward_kernels(
         query, key, value, out, row_stats, grad_out, grad_lse, score, spec.score_backward(lowered),
-        mask, block_mask, attention._kv_blocks(block_mask, B, Hq), scale, spec.opts)
+        mask, block_mask, attention.kv_blocks(block_mask, B, Hq), scale, spec.opts)
     by_recorded = {lowered.score_order[j]: g for j, g in enumerate(grads) if g is not None}
     # A tensor the mod reads without its value reaching the score (the lowering dropped it) has a
     # zero gradient.

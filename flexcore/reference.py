@@ -26,6 +26,7 @@ from flexcore.blockmask import row_chunks as _row_chunks
 from flexcore.errors import ModReturnError
 from flexcore.lowering import check_indices, per_element
 from flexcore.masks import noop_mask
+from flexcore.sinks import check_sinks
 
 __all__ = ["flex_attention_reference"]
 
@@ -35,9 +36,9 @@ _CHUNK_SCORES = 1 << 26
 
 def _attend_rows(q: Tensor, k: Tensor, v: Tensor, row0: int, score_mod, mask_mod, block_map,
                  block_size, scale: float, work_dtype: torch.dtype, out_dtype: torch.dtype,
-                 lse_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+                 lse_dtype: torch.dtype, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Attention of query rows [row0, row0 + q.shape[2]) against all keys; fully masked rows give
-    output 0 and lse -inf."""
+    output 0 and lse -inf (or the sink's logit, with sinks)."""
     B, Hq, Lc, _ = q.shape
     S = k.shape[2]
     device = q.device
@@ -80,6 +81,11 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, row0: int, score_mod, mask_mod
             keep = keep | (partial & mod_keep)
     if keep is not None:
         scores = torch.where(keep, scores, torch.tensor(-math.inf, dtype=work_dtype, device=device))
+    if sinks is not None:
+        # A sink is one more column of the softmax, a score without a value: it takes its share
+        # of each row's probability mass, and that share is dropped before @ V.
+        sink_column = sinks.to(work_dtype).view(1, Hq, 1, 1).expand(B, Hq, Lc, 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
 
     # The row max is a constant shift (softmax and lse are invariant to it): detaching it keeps
     # gradients exact and avoids max's subgradient.
@@ -90,7 +96,7 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, row0: int, score_mod, mask_mod
     has_keys = row_sum > 0
     safe_sum = torch.where(has_keys, row_sum, torch.ones_like(row_sum))
     # As torch's eager math: normalised probabilities, cast to the output dtype, then @ V.
-    probs = (p / safe_sum).to(out_dtype).reshape(B, Hkv, G * Lc, S)
+    probs = (p / safe_sum)[..., :S].to(out_dtype).reshape(B, Hkv, G * Lc, S)
     out = (probs @ v.to(out_dtype)).view(B, Hq, Lc, v.shape[-1])
     lse = torch.where(has_keys, row_max + torch.log(safe_sum),
                       torch.full_like(row_sum, -math.inf)).squeeze(-1)
@@ -101,7 +107,8 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
                              score_mod: ScoreMod | None = None, block_mask: BlockMask | None = None,
                              scale: float | None = None, enable_gqa: bool = False,
                              return_lse: bool = False, kernel_options=None, *,
-                             upcast: bool = True) -> Tensor | tuple[Tensor, Tensor]:
+                             upcast: bool = True,
+                             sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Eager, differentiable flex_attention: softmax(score_mod(Q Kᵀ · scale), masked) V.
 
     A position is kept when its block is full, or partial and ``block_mask.mask_mod`` keeps it
@@ -120,6 +127,8 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
         upcast: True computes and returns float64 (the golden); False mirrors torch's eager math in
             the input dtype (scores and softmax in float32, probabilities cast to the input dtype
             before @ V), to measure torch's own error.
+        sinks: (Hq,) attention-sink logits, one per query head: each joins its rows' softmax as
+            one more score without a value (and the lse includes it); differentiable.
 
     Returns:
         out (B, Hq, L, Dv), float64 if upcast else the input dtype; with return_lse also lse,
@@ -130,6 +139,8 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
         >>> torch_err = flex_attention_reference(q, k, v, block_mask=bm, upcast=False)
     """
     check_qkv(query, key, value, enable_gqa, dtypes=None)
+    if sinks is not None:
+        check_sinks(sinks, query)
     B, Hq, L, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     if score_mod is not None:
@@ -159,7 +170,7 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
     def chunk(q_rows: Tensor, row0: int, k: Tensor, v: Tensor):
         return _attend_rows(q_rows, k, v, row0, score_mod, mask_mod, block_map,
                             block_mask.BLOCK_SIZE if block_mask is not None else None, scale,
-                            work_dtype, out_dtype, lse_dtype)
+                            work_dtype, out_dtype, lse_dtype, sinks)
 
     rows_list = list(_row_chunks(L, B * Hq * S, _CHUNK_SCORES))
     # Checkpointing bounds the memory autograd keeps to one chunk of scores at a time; it re-runs

@@ -170,6 +170,7 @@ class Mods:
         shape: the problem the captured tensors were built for.
         batch_dependent, head_dependent: whether the mask differs across ``b`` / ``h``, so that
             a BlockMask needs that dimension (otherwise it broadcasts with ``None``).
+        sinks: (H,) learnable attention-sink logits for ``flex_attention(..., sinks=)``, or None.
     """
 
     score_mod: ScoreMod | None = None
@@ -178,6 +179,7 @@ class Mods:
     shape: Shape = Shape()
     batch_dependent: bool = False
     head_dependent: bool = False
+    sinks: Tensor | None = None
 
     @property
     def name(self) -> str:
@@ -329,7 +331,7 @@ class Variant:
         if ((mods.score_mod is not None), (mods.mask_mod is not None)) != expected:
             raise AssertionError(f"variant {self.name!r} of kind {self.kind!r} built {mods.name!r}")
         return Mods(mods.score_mod, mods.mask_mod, dict(mods.captured), shape,
-                    self.batch_dependent, self.head_dependent)
+                    self.batch_dependent, self.head_dependent, mods.sinks)
 
     def source(self, *, B: int = 1, H: int = 8, Q_LEN: int = 1024, KV_LEN: int | None = None,
                device: str | torch.device = "cpu", **params: Any) -> str:

@@ -1,6 +1,9 @@
 """Local windows: sliding (Mistral), bidirectional and dilated (Longformer), global + window
-(Longformer), sinks + window (StreamingLLM) and chunked attention (Llama 4)."""
+(Longformer), sinks + window (StreamingLLM), a window with learnable sinks (gpt-oss) and chunked
+attention (Llama 4)."""
 from __future__ import annotations
+
+import torch
 
 from flexcore import or_masks
 from variants.core import Mods, Param, Reference, Variant
@@ -71,6 +74,12 @@ def generate_chunked_causal(chunk_size: int):
 
     chunked_causal.__name__ = f"chunked_causal_{chunk_size}"
     return chunked_causal
+
+
+def generate_learnable_sinks(H: int, sink_logit: float, device):
+    """One learnable sink logit per head for ``flex_attention(..., sinks=)``, all ``sink_logit``
+    at the start of training."""
+    return torch.full((H,), float(sink_logit), device=device, requires_grad=True)
 
 
 def _window_param(default: int, help: str) -> Param:
@@ -158,6 +167,27 @@ VARIANTS = (
         recipe="mask_mod = generate_streaming_llm({num_sinks}, {window_size})",
         helpers=(generate_streaming_llm,),
         example={"num_sinks": 2, "window_size": 24},
+    ),
+    Variant(
+        name="gpt_oss_sinks",
+        title="Sliding window + learnable sinks (gpt-oss)",
+        description=("A causal sliding window whose softmax also holds one learned logit per "
+                     "head, a sink with no value: a query can give its attention to nothing "
+                     "when no key in its window fits. gpt-oss alternates such 128-token banded "
+                     "layers with dense ones. The sinks are not a mask: pass "
+                     "sinks=mods.sinks to flex_attention."),
+        reference=Reference("gpt-oss-120b & gpt-oss-20b Model Card", arxiv="2508.10925"),
+        kind="mask",
+        params=(_window_param(128, "keys each query sees, itself included"),
+                Param("sink_logit", "float", 0.0, "every head's sink logit before training",
+                      low=-20.0, high=20.0)),
+        build=lambda shape, window_size, sink_logit: Mods(
+            mask_mod=generate_sliding_window(window_size),
+            sinks=generate_learnable_sinks(shape.H, sink_logit, shape.device)),
+        recipe=("mask_mod = generate_sliding_window({window_size})\n"
+                "sinks = generate_learnable_sinks(H, {sink_logit}, device)  # flex_attention(..., sinks=sinks)"),
+        helpers=(generate_sliding_window, generate_learnable_sinks),
+        example={"window_size": 40, "sink_logit": 2.5},
     ),
     Variant(
         name="chunked",

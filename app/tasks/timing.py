@@ -6,11 +6,11 @@ mods read the same captured tensors as Check and Gradients, and the code runs on
 """
 from __future__ import annotations
 
-import re
 from typing import Callable
 
 import numpy as np
 
+from app.names import file_safe
 from app.tasks.mods import device, mods_for
 from app.tasks.numerics import output_difference
 from app.tasks.views import (CHUNK_POSITIONS, block_mask_of, block_view_of, mask_view_of,
@@ -34,7 +34,7 @@ def _run(grid: Grid, out_dir: str, progress: Callable[[float, str], None],
 def label(title: str, limit: int = 40) -> str:
     """The variant label of an experiment's rows: its name, file-name-safe (reports and the
     Benchmarks page show it; ``|`` would split bench's case ids)."""
-    return re.sub(r"[^A-Za-z0-9]+", "_", title).strip("_")[:limit] or "playground"
+    return file_safe(title, "playground", limit=limit)
 
 
 def _case(variant: str, shape: dict, pass_: str, q_len: int | None = None) -> Case:

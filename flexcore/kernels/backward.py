@@ -69,22 +69,18 @@ def backward_module(score_lowered, score_bwd_lowered, mask_lowered):
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, 2-byte dtypes. dK/dV programs own
 # BLOCK_N keys and step over BLOCK_M queries; dQ programs own BLOCK_M queries and step over BLOCK_N
 # keys. One launch for both kinds uses both tiles, the common num_warps and the smaller num_stages.
-# Measured on an H200 (bf16, D=128, docs/decisions.md#backward-launch-layout): one launch (2 stages) gives
-# 370-400 TFLOP/s for the backward alone on noop and causal masks; at D=64 two launches are faster
-# (4 warps: one launch measured 2-5% slower).
+# At D=128 one launch (2 stages) is fastest on noop and causal masks; at D=64 (4 warps) two launches
+# are (docs/decisions.md#backward-launch-layout).
 # A mod with many live values can exceed shared memory: see flexcore.kernels.launch.
 _DKDV_CONFIGS = {64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 64, 8, 1)}
 _DQ_CONFIGS = {64: (64, 64, 4, 3), 128: (128, 128, 8, 2), 256: (64, 32, 4, 1)}
 # dQ tiles where the score_mod is not the identity, or the mask has no partial block (dense path):
-# 64 keys per step, so one launch keeps 3 stages. Measured on an H200 (docs/decisions.md#backward-tiles,
-# backward alone, 4k / 16k): softcap + causal +12% / +7%, softcap without a mask +5% / +6%, noop +4% /
-# +1%, ALiBi + causal +1%; with the identity score_mod and a partial mask (causal, prefix, sliding
-# window, document) 1-4% slower, so those keep _DQ_CONFIGS.
+# 64 keys per step, so one launch keeps 3 stages and a score_mod's chain spills less. The identity
+# score_mod with a partial mask is slower there, so it keeps _DQ_CONFIGS (docs/decisions.md#backward-tiles).
 _DQ_CONFIGS_SCORE_OR_DENSE = {128: (128, 64, 8, 3)}
 # Tiles over 64x64 mask blocks (the finer tables of flexcore.kernels.tables, or a mask built
-# with BLOCK_SIZE=64): 4 warps. Measured on an H200 (docs/decisions.md#finer-tables, document masks and
-# sliding windows, forward+backward): 8 warps on 64x64 tiles ran 1.4-1.8x slower; 3 stages for
-# dK/dV and 2 for dQ within 1-5% of the best pairing everywhere.
+# with BLOCK_SIZE=64): 4 warps, since 8 warps on 64x64 tiles run far slower; 3 stages for dK/dV and 2
+# for dQ are near the best pairing everywhere (docs/decisions.md#finer-tables).
 _FINE_DKDV_CONFIGS = {64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}
 _FINE_DQ_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 # The paths below follow the policy's ``backward`` family (flexcore.kernels.policy):

@@ -104,8 +104,7 @@ def check_tile(tile: int, block: int, name: str, what: str) -> int:
 
 
 # Candidate (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim for 2-byte dtypes, best
-# first. Measured on an H200 with triton 3.6 (docs/decisions.md): 4 warps and 2 stages win at D=128
-# and D=64 (at D=64 128x128 tiles, 1-3% ahead of 3 stages).
+# first: 4 warps and 2 stages win at D=128 and D=64 (docs/decisions.md#forward-tiles).
 _GPU_CONFIGS = {
     64: [(128, 128, 4, 2), (128, 128, 4, 3), (64, 64, 4, 2)],
     128: [(128, 64, 4, 2), (128, 128, 8, 2), (64, 64, 4, 2)],
@@ -228,8 +227,8 @@ def q_rows_descriptor(q: torch.Tensor, tma: bool) -> int:
 
 
 # Candidates over 64x64 mask blocks (the finer tables of flexcore.kernels.tables, or a mask built with
-# BLOCK_SIZE=64), where only 64x64 tiles fit. Measured on an H200 (docs/decisions.md#finer-tables): three
-# stages gain up to 6% on document masks, two up to 9% on sliding windows at D=64.
+# BLOCK_SIZE=64), where only 64x64 tiles fit: the autotuner picks between two and three stages, since
+# each wins on some masks (docs/decisions.md#finer-tables).
 _FINE_CONFIGS = {64: [(64, 64, 4, 2), (64, 64, 4, 3)], 128: [(64, 64, 4, 3), (64, 64, 4, 2)]}
 
 

@@ -81,7 +81,7 @@ _TRIVIAL = {
 _trivial_mods: dict[str, LoweredMod] = {}
 
 
-def _lower(fn, kind: str, score_dtype: torch.dtype = torch.float32, fast_math: bool = False) -> LoweredMod:
+def lower_mod(fn, kind: str, score_dtype: torch.dtype = torch.float32, fast_math: bool = False) -> LoweredMod:
     global trace_count
     if fn is None:
         if kind not in _trivial_mods:
@@ -129,7 +129,7 @@ def lower_score_mod(fn, score_dtype: torch.dtype = torch.float32, fast_math: boo
     ``score_dtype`` is the dtype of the score tile: float32, or float64 for float64 inputs.
     ``fast_math`` (for float16/bfloat16 inputs) lowers tanh to the GPU's approximate instruction.
     """
-    return _lower(fn, "score", score_dtype, fast_math)
+    return lower_mod(fn, "score", score_dtype, fast_math)
 
 
 def lower_mask_mod(fn) -> LoweredMod:
@@ -139,7 +139,7 @@ def lower_mask_mod(fn) -> LoweredMod:
         >>> lower_mask_mod(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx).source.splitlines()[1]
         'def mask_mod_fn(b, h, q_idx, kv_idx, q_ok, kv_ok):'
     """
-    return _lower(fn, "mask")
+    return lower_mod(fn, "mask")
 
 
 def clear_cache() -> None:

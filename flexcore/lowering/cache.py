@@ -22,7 +22,7 @@ _MAX_DEPTH = 8
 _code_names: dict[types.CodeType, tuple[str, ...]] = {}
 
 
-def _names(code: types.CodeType) -> tuple[str, ...]:
+def global_names(code: types.CodeType) -> tuple[str, ...]:
     """Global names a code object (and the code nested in it) may look up: the arguments of its
     LOAD_GLOBAL / LOAD_NAME instructions (attribute names such as ``where`` in ``torch.where``
     are not global lookups)."""
@@ -32,7 +32,7 @@ def _names(code: types.CodeType) -> tuple[str, ...]:
                  if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(ins.argval, str)]
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
-                found.extend(_names(const))
+                found.extend(global_names(const))
         names = tuple(dict.fromkeys(found))
         _code_names[code] = names
     return names
@@ -131,7 +131,7 @@ class _Guard:
             closure = tuple(cells)
         glob = fn.__globals__
         referenced = []
-        for name in _names(code):
+        for name in global_names(code):
             value = glob.get(name, _MISSING)
             self._read(1, glob, name, value)
             if value is not _MISSING:

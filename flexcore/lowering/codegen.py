@@ -14,12 +14,9 @@ import torch
 from torch.fx import GraphModule, Node
 
 from flexcore.errors import ModError, ModIndexError, ModReturnError, UnsupportedOpError
-from flexcore.lowering.shapes import ShapeOps, _flat_nodes
-from flexcore.lowering.values import (_INDEX_ARGS, _TL, MAX_LANES, Lanes, ReshapedView, Val, View,
+from flexcore.lowering.shapes import ShapeOps, flat_nodes
+from flexcore.lowering.values import (INDEX_ARGS, MAX_LANES, TL_TYPES, Lanes, ReshapedView, Val, View,
                                       cast_expr, convert_const, float_literal, literal, opmath)
-
-# Names kept for the VJP generator and older imports.
-_opmath, _float_literal, _convert_const = opmath, float_literal, convert_const
 
 _RANDOM = "random numbers differ between evaluations; capture a random tensor instead"
 _NO_PORTABLE = "it has no Triton implementation that also runs under the interpreter"
@@ -102,7 +99,7 @@ class ModCodegen(ShapeOps):
             val = val[0]
         if val is None:
             raise self._error(ModError, f"no type information for {node.target}")
-        if val.dtype not in _TL:
+        if val.dtype not in TL_TYPES:
             raise self._error(ModError, f"dtype {val.dtype} is not supported in mods")
         return val.dtype
 
@@ -110,7 +107,7 @@ class ModCodegen(ShapeOps):
         if v.dtype == dtype and not v.pyscalar:
             return v.expr
         if v.const is not None:
-            return literal(_convert_const(v.const, dtype), dtype)
+            return literal(convert_const(v.const, dtype), dtype)
         if v.dtype == dtype:
             return v.expr
         return cast_expr(v.expr, dtype)
@@ -127,9 +124,9 @@ class ModCodegen(ShapeOps):
     def _capture(self, tensor: torch.Tensor) -> int:
         key = id(tensor)
         if key not in self._cap_ids:
-            if tensor.dtype not in _TL:
+            if tensor.dtype not in TL_TYPES:
                 raise self._error(ModError, f"captured tensor of dtype {tensor.dtype} is not "
-                                  f"supported; use one of {sorted(str(d) for d in _TL)}")
+                                  f"supported; use one of {sorted(str(d) for d in TL_TYPES)}")
             if tensor.dim() > 4:
                 raise self._error(ModError, f"captured tensor of shape {tuple(tensor.shape)} has "
                                   "more than 4 dimensions; reshape it to at most 4")
@@ -159,7 +156,7 @@ class ModCodegen(ShapeOps):
         if isinstance(arg, int):
             return Val(str(arg), torch.int64, const=arg, pyscalar=True, nonneg=arg >= 0)
         if isinstance(arg, float):
-            return Val(_float_literal(arg), torch.float32, const=arg, pyscalar=True,
+            return Val(float_literal(arg), torch.float32, const=arg, pyscalar=True,
                        nonneg=arg >= 0)
         raise self._error(ModError, f"unsupported argument {arg!r} to {self._loc(self._node)[2]}")
 
@@ -228,18 +225,24 @@ class ModCodegen(ShapeOps):
     # ---------------------------------------------------------------- driver
     def run(self) -> tuple[str, bool]:
         """Emit the body; returns (return expression, is_trivial)."""
-        args = iter(("score", "b", "h", "q_idx", "kv_idx") if self.kind == "score"
-                    else ("b", "h", "q_idx", "kv_idx"))
+        return self._finish(self._walk(("score", "b", "h", "q_idx", "kv_idx") if self.kind == "score"
+                                       else ("b", "h", "q_idx", "kv_idx")))
+
+    def _placeholder(self, arg: str) -> Val:
+        """The value of the graph input named ``arg``."""
+        if arg == "score":
+            return Val("score", self.score_dtype, frozenset({"score"}))
+        return Val(arg, torch.int32, frozenset({INDEX_ARGS[arg]}), nonneg=True)
+
+    def _walk(self, arg_names) -> object:
+        """Emit every node of the graph, whose inputs are named ``arg_names`` in order; returns the
+        output node's argument."""
+        args = iter(arg_names)
         result = None
         for node in self.gm.graph.nodes:
             self._node = node
             if node.op == "placeholder":
-                arg = next(args)
-                if arg == "score":
-                    self.env[node] = Val("score", self.score_dtype, frozenset({"score"}))
-                else:
-                    self.env[node] = Val(arg, torch.int32, frozenset({_INDEX_ARGS[arg]}),
-                                         nonneg=True)
+                self.env[node] = self._placeholder(next(args))
             elif node.op == "get_attr":
                 self.env[node] = self._get_attr(node)
             elif node.op == "call_function":
@@ -248,7 +251,7 @@ class ModCodegen(ShapeOps):
                 result = node.args[0]
             else:
                 raise self._error(ModError, f"unexpected graph node {node.op} {node.target}")
-        return self._finish(result)
+        return result
 
     def _finish(self, result) -> tuple[str, bool]:
         self._node = None
@@ -267,7 +270,7 @@ class ModCodegen(ShapeOps):
                                      mod_name=self.name)
             trivial = v.expr == "score" and v.const is None
             if v.const is not None:  # a 0-d tensor, not a constexpr: callers broadcast it
-                return f"tl.full([], {_float_literal(float(v.const))}, {_TL[self.score_dtype]})", False
+                return f"tl.full([], {float_literal(float(v.const))}, {TL_TYPES[self.score_dtype]})", False
             return self.cast(v, self.score_dtype), trivial
         if v.dtype != torch.bool:
             raise ModReturnError(f"a mask_mod must return a bool tensor, not {v.dtype}",
@@ -311,7 +314,7 @@ class ModCodegen(ShapeOps):
             out = node.target(*args, **node.kwargs)
         except Exception:  # noqa: BLE001 - fall back to emitting the op
             return None
-        if not isinstance(out, torch.Tensor) or out.dim() != 0 or out.dtype not in _TL:
+        if not isinstance(out, torch.Tensor) or out.dim() != 0 or out.dtype not in TL_TYPES:
             return None
         return self._const_result(out.item(), out.dtype)
 
@@ -351,7 +354,7 @@ class ModCodegen(ShapeOps):
         """The arguments of ``node`` that hold several elements per position (Lanes, or views
         with dimensions left), materialized as Lanes."""
         found = {}
-        for arg in _flat_nodes(node.args) + _flat_nodes(list(node.kwargs.values())):
+        for arg in flat_nodes(node.args) + flat_nodes(list(node.kwargs.values())):
             v = self.env.get(arg)
             if isinstance(v, ReshapedView) or (isinstance(v, View) and v.visible()):
                 v = self.env[arg] = self.materialize(v)
@@ -401,7 +404,7 @@ class ModCodegen(ShapeOps):
         return out
 
     def _const_result(self, value, dtype: torch.dtype) -> Val:
-        value = _convert_const(value, dtype)
+        value = convert_const(value, dtype)
         return Val(literal(value, dtype), dtype, const=value, nonneg=bool(value >= 0))
 
     def _finish_op(self, expr: str, compute: torch.dtype, out: torch.dtype, deps,
@@ -421,7 +424,7 @@ class ModCodegen(ShapeOps):
                 raise self._error(UnsupportedOpError, f"'{op}' on bool tensors is not supported")
             return self._result(f"{self.bool_operand(a)} {bool_op} {self.bool_operand(b)}", out,
                                 self._deps(a, b), nonneg=True)
-        compute = _opmath(out)
+        compute = opmath(out)
         ea, eb = self.cast(a, compute), self.cast(b, compute)
         if alpha not in (None, 1):
             eb = f"({eb} * {literal(alpha, compute)})"
@@ -440,7 +443,7 @@ class ModCodegen(ShapeOps):
     def _op_rsub(self, node):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         alpha = node.kwargs.get("alpha", 1)
         ea = self.cast(a, compute) if alpha == 1 else f"({self.cast(a, compute)} * {alpha})"
         return self._finish_op(f"{self.cast(b, compute)} - {ea}", compute, out,
@@ -450,7 +453,7 @@ class ModCodegen(ShapeOps):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         mode = node.kwargs.get("rounding_mode")
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         ea, eb = self.cast(a, compute), self.cast(b, compute)
         deps = self._deps(a, b)
         if mode is None:
@@ -466,7 +469,7 @@ class ModCodegen(ShapeOps):
     def _op_floor_divide(self, node):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         fn = "fl_div_floor_float" if compute.is_floating_point else "fl_div_floor_int"
         return self._finish_op(f"{fn}({self.cast(a, compute)}, {self.cast(b, compute)})", compute,
                                out, self._deps(a, b), a.nonneg and b.nonneg)
@@ -474,7 +477,7 @@ class ModCodegen(ShapeOps):
     def _op_remainder(self, node):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         fn = "fl_remainder_float" if compute.is_floating_point else "fl_remainder_int"
         return self._finish_op(f"{fn}({self.cast(a, compute)}, {self.cast(b, compute)})", compute,
                                out, self._deps(a, b), b.nonneg)
@@ -482,7 +485,7 @@ class ModCodegen(ShapeOps):
     def _op_fmod(self, node):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         ea, eb = self.cast(a, compute), self.cast(b, compute)
         if compute.is_floating_point:
             expr = f"{ea} % {eb}"
@@ -493,7 +496,7 @@ class ModCodegen(ShapeOps):
     def _op_neg(self, node):
         (a,) = self._args(node)
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         return self._finish_op(f"-{self.cast(a, compute)}", compute, out, a.deps)
 
     def _op_abs(self, node):
@@ -501,7 +504,7 @@ class ModCodegen(ShapeOps):
         out = self._out_dtype(node)
         if out == torch.bool:
             return self._result(a.expr, out, a.deps, True)
-        compute = _opmath(out)
+        compute = opmath(out)
         return self._finish_op(f"tl.abs({self.cast(a, compute)})", compute, out, a.deps, True)
 
     def _op_sign(self, node):
@@ -509,13 +512,13 @@ class ModCodegen(ShapeOps):
         out = self._out_dtype(node)
         if out == torch.bool:
             return self._result(a.expr, out, a.deps, True)
-        compute = _opmath(out)
+        compute = opmath(out)
         return self._finish_op(f"fl_sign({self.cast(a, compute)})", compute, out, a.deps)
 
     def _unary_float(self, node: Node, pattern: str) -> Val:
         (a,) = self._args(node)
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         return self._finish_op(pattern.format(self.cast(a, compute)), compute, out, a.deps)
 
     def _rounding(self, node: Node, pattern: str) -> Val:
@@ -524,7 +527,7 @@ class ModCodegen(ShapeOps):
         out = self._out_dtype(node)
         if not out.is_floating_point:
             return Val(self.cast(a, out), out, a.deps, a.const, nonneg=a.nonneg)
-        compute = _opmath(out)
+        compute = opmath(out)
         x = self.cast(a, compute)
         if decimals:
             # torch: nearbyint(x * 10^d) / 10^d, or nearbyint(x / 10^-d) * 10^-d for d < 0.
@@ -549,14 +552,14 @@ class ModCodegen(ShapeOps):
     def _op_relu(self, node):
         (a,) = self._args(node)
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         return self._finish_op(f"tl.maximum({self.cast(a, compute)}, {literal(0, compute)})",
                                compute, out, a.deps, True)
 
     def _op_pow(self, node):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         deps = self._deps(a, b)
         ea = self.cast(a, compute)
         if b.const is not None and float(b.const) == int(b.const) and 0 <= int(b.const) <= 8:
@@ -585,7 +588,7 @@ class ModCodegen(ShapeOps):
     def _op_minimum(self, node):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         return self._finish_op(self._minmax("minimum", self.cast(a, compute),
                                             self.cast(b, compute), compute),
                                compute, out, self._deps(a, b), a.nonneg and b.nonneg)
@@ -593,7 +596,7 @@ class ModCodegen(ShapeOps):
     def _op_maximum(self, node):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         return self._finish_op(self._minmax("maximum", self.cast(a, compute),
                                             self.cast(b, compute), compute),
                                compute, out, self._deps(a, b), a.nonneg or b.nonneg)
@@ -601,7 +604,7 @@ class ModCodegen(ShapeOps):
     def _clamp(self, node, lo, hi) -> Val:
         x = self.value(node.args[0])
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         expr, deps, nonneg = self.cast(x, compute), x.deps, x.nonneg
         if lo is not None:
             lo = self.value(lo)
@@ -629,7 +632,7 @@ class ModCodegen(ShapeOps):
     # comparisons and logic ----------------------------------------------------
     def _compare(self, node: Node, op: str) -> Val:
         a, b = self.value(node.args[0]), self.value(node.args[1])
-        compute = _opmath(self._promote(a, b))
+        compute = opmath(self._promote(a, b))
         return self._result(f"{self.cast(a, compute)} {op} {self.cast(b, compute)}", torch.bool,
                             self._deps(a, b), True)
 
@@ -720,7 +723,7 @@ class ModCodegen(ShapeOps):
         (a,) = self._args(node)
         if not a.dtype.is_floating_point:
             return self._const_result(False, torch.bool)
-        x = self.cast(a, _opmath(a.dtype))
+        x = self.cast(a, opmath(a.dtype))
         return self._result(f"tl.abs({x}) == float(\"inf\")", torch.bool, a.deps, True)
 
     # casts, copies, constants ----------------------------------------------
@@ -738,14 +741,14 @@ class ModCodegen(ShapeOps):
     def tensor_arg(self, v: Val, dtype: torch.dtype) -> str:
         """``v`` as a tensor of ``dtype``: fl_* helpers call tl functions that need tensors."""
         if v.const is not None:
-            return f"tl.full([], {literal(_convert_const(v.const, dtype), dtype)}, {_TL[dtype]})" \
-                if dtype in (torch.float32, torch.int32) else literal(_convert_const(v.const, dtype), dtype)
+            return f"tl.full([], {literal(convert_const(v.const, dtype), dtype)}, {TL_TYPES[dtype]})" \
+                if dtype in (torch.float32, torch.int32) else literal(convert_const(v.const, dtype), dtype)
         return self.cast(v, dtype)
 
     def _binary_float(self, node: Node, pattern: str) -> Val:
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         return self._finish_op(pattern.format(self.tensor_arg(a, compute),
                                               self.tensor_arg(b, compute)),
                                compute, out, self._deps(a, b))
@@ -753,7 +756,7 @@ class ModCodegen(ShapeOps):
     def _fminmax(self, node, fn: str) -> Val:
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         ea, eb = self.tensor_arg(a, compute), self.tensor_arg(b, compute)
         expr = (f"fl_{fn}({ea}, {eb})" if compute.is_floating_point
                 else f"tl.{'maximum' if fn == 'fmax' else 'minimum'}({ea}, {eb})")
@@ -771,7 +774,7 @@ class ModCodegen(ShapeOps):
             return self._const_result(False, torch.bool)
         if not a.dtype.is_floating_point:
             return self._result(f"{a.expr} < 0", torch.bool, a.deps, True)
-        return self._result(f"fl_signbit({self.cast(a, _opmath(a.dtype))})", torch.bool, a.deps, True)
+        return self._result(f"fl_signbit({self.cast(a, opmath(a.dtype))})", torch.bool, a.deps, True)
 
     def _op_polygamma(self, node):
         n = node.args[0]
@@ -784,7 +787,7 @@ class ModCodegen(ShapeOps):
     def _unary_float_of(self, node: Node, arg, pattern: str) -> Val:
         a = self.value(arg)
         out = self._out_dtype(node)
-        compute = _opmath(out)
+        compute = opmath(out)
         return self._finish_op(pattern.format(self.cast(a, compute)), compute, out, a.deps)
 
     def _op_gcd(self, node):

@@ -63,10 +63,10 @@ def _plan(fn, kind: str) -> str:
     plan = _plans.get(fn, kind)
     if plan is not None:
         return plan
-    from flexcore.lowering.api import _lower
+    from flexcore.lowering.api import lower_mod
 
     try:
-        plan = "broadcast" if broadcast_safe(_lower(fn, kind)) else "vmap"
+        plan = "broadcast" if broadcast_safe(lower_mod(fn, kind)) else "vmap"
     except Exception:  # noqa: BLE001 - not lowerable: torch's own (vmap) semantics
         plan = "vmap"
     _plans.put(fn, kind, guard_key(fn), plan)

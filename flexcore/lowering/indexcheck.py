@@ -33,6 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from flexcore.errors import ModIndexError
 from flexcore.lowering.intervals import Interval, IntervalAnalysis, dtype_range
+from flexcore.lowering.shapes import flat_nodes
 
 _GRID = ("b", "h", "q_idx", "kv_idx")
 #: Positions evaluated per torch call of the check.
@@ -123,20 +124,10 @@ def _dependencies(gm: GraphModule) -> dict:
             deps[node] = frozenset() if literal else frozenset({"values"})
         elif node.op == "call_function":
             out = frozenset()
-            for a in _flat(node.args) + _flat(list(node.kwargs.values())):
+            for a in flat_nodes(node.args) + flat_nodes(list(node.kwargs.values())):
                 out |= deps.get(a, frozenset())
             deps[node] = out
     return deps
-
-
-def _flat(items) -> list:
-    out = []
-    for x in items:
-        if isinstance(x, Node):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            out.extend(_flat(x))
-    return out
 
 
 def _root_tensor(gm: GraphModule, node: Node):
@@ -257,7 +248,7 @@ def _needed(sites) -> set:
         if n in need:
             continue
         need.add(n)
-        stack.extend(_flat(n.args) + _flat(list(n.kwargs.values())))
+        stack.extend(flat_nodes(n.args) + flat_nodes(list(n.kwargs.values())))
     return need
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import functools
 import types
 
-from flexcore.lowering.cache import _names
+from flexcore.lowering.cache import global_names
 
 _MAX_DEPTH = 4
 _MAX_ITEMS = 32
@@ -59,7 +59,7 @@ def capture_names(fn, tensors) -> tuple:
                 note(value, name)
                 if callable(value):
                     visit(value, depth + 1)
-            for name in _names(code):
+            for name in global_names(code):
                 value = obj.__globals__.get(name)
                 if value is None:
                     continue

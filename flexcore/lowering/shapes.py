@@ -507,23 +507,27 @@ class ShapeOps:
                                  cur.deps | v.deps | i.deps)
         return Lanes(out.shape, vals)
 
-    def _op_slice_scatter(self, node):
-        kw = self._kw(node)
-        out = self._lanes_arg(kw["input"])
-        src = self._lanes_arg(kw["src"])
-        dim = _norm_dim(kw["dim"], len(out.shape))
-        picked = range(out.shape[dim])[slice(kw["start"], kw["end"], kw["step"] or 1)]
+    def _scatter(self, out: Lanes, src: Lanes, dim: int, positions) -> Lanes:
+        """``out`` with ``src`` written into it, ``src``'s index j along ``dim`` at ``positions[j]``."""
         vals = list(out.vals)
         dtype = out.dtype
         for coord in itertools.product(*(range(s) for s in src.shape)):
             target = list(coord)
-            target[dim] = picked[coord[dim]]
+            target[dim] = positions[coord[dim]]
             flat = 0
             for c, s in zip(target, out.shape):
                 flat = flat * s + c
             v = src.at(coord)
             vals[flat] = Val(self.cast(v, dtype), dtype, v.deps, v.const, nonneg=v.nonneg)
         return Lanes(out.shape, vals)
+
+    def _op_slice_scatter(self, node):
+        kw = self._kw(node)
+        out = self._lanes_arg(kw["input"])
+        src = self._lanes_arg(kw["src"])
+        dim = _norm_dim(kw["dim"], len(out.shape))
+        picked = range(out.shape[dim])[slice(kw["start"], kw["end"], kw["step"] or 1)]
+        return self._scatter(out, src, dim, picked)
 
     def _op_select_scatter(self, node):
         kw = self._kw(node)
@@ -532,17 +536,7 @@ class ShapeOps:
         src = self._lanes_arg(kw["src"])
         src = Lanes(src.shape[:dim] + (1,) + src.shape[dim:], src.vals)
         i = kw["index"] % out.shape[dim]
-        vals = list(out.vals)
-        dtype = out.dtype
-        for coord in itertools.product(*(range(s) for s in src.shape)):
-            target = list(coord)
-            target[dim] = i
-            flat = 0
-            for c, s in zip(target, out.shape):
-                flat = flat * s + c
-            v = src.at(coord)
-            vals[flat] = Val(self.cast(v, dtype), dtype, v.deps, v.const, nonneg=v.nonneg)
-        return Lanes(out.shape, vals)
+        return self._scatter(out, src, dim, [i])
 
     def _op_select(self, node):
         x = self.held(node.args[0])
@@ -647,14 +641,7 @@ class ShapeOps:
     def _op_full(self, node):
         return self._constant(node, node.args[1])
 
-    def _op_full_like(self, node):
-        return self._constant(node, node.args[1])
-
-    def _op_zeros_like(self, node):
-        return self._constant(node, 0)
-
-    def _op_ones_like(self, node):
-        return self._constant(node, 1)
+    _op_full_like = _op_full
 
     def _op_zeros(self, node):
         return self._constant(node, 0)
@@ -662,11 +649,8 @@ class ShapeOps:
     def _op_ones(self, node):
         return self._constant(node, 1)
 
-    def _op_new_zeros(self, node):
-        return self._constant(node, 0)
-
-    def _op_new_ones(self, node):
-        return self._constant(node, 1)
+    _op_zeros_like = _op_new_zeros = _op_zeros
+    _op_ones_like = _op_new_ones = _op_ones
 
     def _op_new_full(self, node):
         return self._constant(node, node.args[2])
@@ -907,12 +891,13 @@ class ShapeOps:
                               for i in range(n) for c in range(m)])
 
 
-def _flat_nodes(items) -> list:
+def flat_nodes(items) -> list:
+    """The fx Nodes in ``items`` and in the lists and tuples nested in it, in order."""
     out = []
     for x in items:
         if isinstance(x, Node):
             out.append(x)
         elif isinstance(x, (list, tuple)):
-            out.extend(_flat_nodes(x))
+            out.extend(flat_nodes(x))
     return out
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import os
-import sys
 import sysconfig
 from dataclasses import dataclass
 
@@ -60,7 +59,7 @@ def _is_user_file(filename: str) -> bool:
 
 def user_location_from_stack() -> Location:
     """The innermost frame of the caller's stack that belongs to user code."""
-    frame = sys._getframe(1)
+    frame = inspect.currentframe().f_back
     while frame is not None:
         if _is_user_file(frame.f_code.co_filename):
             return Location(frame.f_code.co_filename, frame.f_lineno)

@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import Node
 
-_TL = {
+#: Triton's name of each torch dtype a mod's values may have.
+TL_TYPES = {
     torch.float32: "tl.float32", torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16",
     torch.float64: "tl.float64", torch.int8: "tl.int8", torch.int16: "tl.int16",
     torch.int32: "tl.int32", torch.int64: "tl.int64", torch.uint8: "tl.uint8",
     torch.bool: "tl.int1",
 }
-_INDEX_ARGS = {"b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv"}
+#: The kernel-side name of each index argument of a mod.
+INDEX_ARGS = {"b": "b", "h": "h", "q_idx": "q", "kv_idx": "kv"}
 
 #: Most elements a per-position value may hold: each is a register tile in the kernel.
 MAX_LANES = 256
@@ -119,11 +121,11 @@ def literal(value, dtype: torch.dtype) -> str:
         return f"tl.full([], {bool(value)}, tl.int1)"
     if dtype.is_floating_point:
         text = float_literal(float(value))
-        return text if dtype == torch.float32 else f"tl.full([], {text}, {_TL[dtype]})"
+        return text if dtype == torch.float32 else f"tl.full([], {text}, {TL_TYPES[dtype]})"
     value = int(value)
     if dtype == torch.int32 and -2**31 <= value < 2**31:
         return str(value) if value >= 0 else f"({value})"
-    return f"tl.full([], {value}, {_TL[dtype]})"
+    return f"tl.full([], {value}, {TL_TYPES[dtype]})"
 
 
 def convert_const(value, dtype: torch.dtype):
@@ -140,7 +142,7 @@ def cast_expr(expr: str, dtype: torch.dtype) -> str:
         return f"({expr} != 0)"
     if dtype == torch.bfloat16:
         return f"fl_to_bfloat16({expr})"
-    return f"{expr}.to({_TL[dtype]})"
+    return f"{expr}.to({TL_TYPES[dtype]})"
 
 
 @dataclass

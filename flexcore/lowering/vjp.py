@@ -34,8 +34,9 @@ from torch.fx import GraphModule, Node
 from flexcore.errors import ModError, UnsupportedOpError
 from flexcore.lowering import codegen as _codegen
 from flexcore.lowering.cache import LRUCache, guard_key
+from flexcore.lowering.shapes import flat_nodes
 from flexcore.lowering.trace import decompositions, mod_name, trace_mod
-from flexcore.lowering.values import Lanes, Val
+from flexcore.lowering.values import Lanes, Val, literal, opmath
 
 FN_NAME = "score_mod_bwd_fn"
 _PARAMS = ["score", "b", "h", "q_idx", "kv_idx", "q_ok", "kv_ok", "grad", "valid",
@@ -129,25 +130,14 @@ class _VjpCodegen(_codegen.ModCodegen):
     def _capture(self, tensor):
         return super()._capture(self._detached_of.get(id(tensor), tensor))
 
+    def _placeholder(self, arg: str) -> Val:
+        if arg == "grad":
+            # grad varies with both indices: loads that depend on it need both masks.
+            return Val(arg, self.score_dtype, frozenset({"score"}))
+        return super()._placeholder(arg)
+
     def run(self):
-        names = iter(("score", "b", "h", "q_idx", "kv_idx", "grad"))
-        result = None
-        for node in self.gm.graph.nodes:
-            self._node = node
-            if node.op == "placeholder":
-                arg = next(names)
-                if arg in ("score", "grad"):
-                    # grad varies with both indices: loads that depend on it need both masks.
-                    self.env[node] = _codegen.Val(arg, self.score_dtype, frozenset({"score"}))
-                else:
-                    self.env[node] = _codegen.Val(arg, torch.int32,
-                                                  frozenset({_codegen._INDEX_ARGS[arg]}), nonneg=True)
-            elif node.op == "get_attr":
-                self.env[node] = self._get_attr(node)
-            elif node.op == "call_function":
-                self.env[node] = self._call(node)
-            elif node.op == "output":
-                result = node.args[0]
+        result = self._walk(("score", "b", "h", "q_idx", "kv_idx", "grad"))
         self._node = None
         return result
 
@@ -196,7 +186,7 @@ class _VjpCodegen(_codegen.ModCodegen):
         return self.lanes_or_val(gs.shape, vals)
 
     def _lane_args(self, node):
-        args = _codegen._flat_nodes(node.args)
+        args = flat_nodes(node.args)
         held = [self.env.get(a) for a in args]
         sums = [v for v in held if isinstance(v, _GradSum)]
         if self.op_name(node) == "add" and len(sums) == 2 and len(held) == 2:
@@ -439,7 +429,7 @@ class _VjpCodegen(_codegen.ModCodegen):
                                     for c in itertools.product(*(range(s) for s in shape))])
 
     def _sum_vals(self, vals):
-        compute = _codegen.opmath(vals[0].dtype)
+        compute = opmath(vals[0].dtype)
         acc, deps = self._fold_vals(vals, compute, lambda a, b: f"{a} + {b}")
         return Val(self._emit(acc), compute, deps)
 
@@ -635,7 +625,7 @@ def lower_score_mod_backward(fn, forward=None, score_dtype: torch.dtype = torch.
     dscore = outputs[0]
     if isinstance(dscore, Node):
         v = gen.value(dscore)
-        ret = (f"tl.zeros_like(grad) + {_codegen.literal(float(v.const), score_dtype)}"
+        ret = (f"tl.zeros_like(grad) + {literal(float(v.const), score_dtype)}"
                if v.const is not None else gen.cast(v, score_dtype))
     else:
         ret = "tl.zeros_like(grad)"

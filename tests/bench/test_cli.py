@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from bench.__main__ import _variants, main
-from tests.bench.conftest import ALIBI, CAUSAL
+from tests.bench.helpers import ALIBI, CAUSAL
 
 
 def test_list_presets_and_providers(capsys):

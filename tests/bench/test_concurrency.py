@@ -20,7 +20,7 @@ import pytest
 
 from bench import runner
 from bench.grid import build_grid, load_config
-from tests.bench.conftest import MODS
+from tests.bench.helpers import MODS
 
 ROOT = Path(__file__).resolve().parents[2]
 HELD = str(MODS / "held.py")

@@ -9,7 +9,7 @@ import torch
 from bench import runner
 from bench.context import CaseContext, make_context
 from bench.grid import Case, Settings
-from tests.bench.conftest import ALIBI, MODS, small_grid
+from tests.bench.helpers import ALIBI, MODS, small_grid
 
 PADDING = str(MODS / "padding.py")
 

@@ -11,7 +11,7 @@ import torch
 from bench import providers as prov
 from bench.context import make_context
 from bench.grid import Case, Settings
-from tests.bench.conftest import CAUSAL, small_grid
+from tests.bench.helpers import CAUSAL, small_grid
 
 CPU = torch.device("cpu")
 FA4_PROVIDERS = ("flash4", "torch_flex_flash")

@@ -84,7 +84,7 @@ def test_variant_spec_grammar():
 
 
 def test_registry_variant_and_mod_file_resolve(tmp_path):
-    from tests.bench.conftest import ALIBI, CAUSAL
+    from tests.bench.helpers import ALIBI, CAUSAL
 
     mods = resolve(f"{ALIBI}+{CAUSAL}", B=1, H=4, KV_HEADS=4, Q_LEN=8, KV_LEN=8, D=4, device="cpu")
     assert mods.score_mod is not None and mods.mask_mod is not None

@@ -7,7 +7,7 @@ import torch
 from bench import providers as prov
 from bench.context import make_context
 from bench.grid import Case, Settings
-from tests.bench.conftest import ALIBI, CAUSAL, SOFTCAP
+from tests.bench.helpers import ALIBI, CAUSAL, SOFTCAP
 
 CPU = torch.device("cpu")
 

@@ -11,8 +11,7 @@ from bench import providers as prov
 from bench import runner
 from bench.__main__ import main
 from bench.grid import build_grid, load_config
-from tests.bench.conftest import ALIBI, CAUSAL
-from tests.bench.test_runner import _Perturbed
+from tests.bench.helpers import ALIBI, CAUSAL, PerturbedProvider
 
 
 def _config(path, *, variants=(CAUSAL,), shapes=([1, 16],), heads=(1,), passes=("fwd",),
@@ -235,7 +234,7 @@ def test_exit_code_is_1_when_no_provider_measured_anything(tmp_path, capsys):
 
 
 def test_exit_code_is_1_on_a_failed_check_unless_keep_going(tmp_path, capsys, monkeypatch):
-    monkeypatch.setitem(prov.PROVIDERS, "wrong_out", _Perturbed("wrong_out", out_scale=1.01))
+    monkeypatch.setitem(prov.PROVIDERS, "wrong_out", PerturbedProvider("wrong_out", out_scale=1.01))
     config = _config(tmp_path / "g.json", variants=(f"{ALIBI}+{CAUSAL}",), heads=([2, 1],),
                      providers=("sdpa_math", "wrong_out"))
     assert main(["run", "--config", str(config), "--out", str(tmp_path / "a"), "--no-progress"]) == 1

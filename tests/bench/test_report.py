@@ -131,7 +131,7 @@ def test_report_without_plotly_embeds_pngs(small_run, tmp_path, monkeypatch):
 
 def test_report_reads_an_unfinished_run(tmp_path):
     from bench import runner
-    from tests.bench.conftest import small_grid
+    from tests.bench.helpers import small_grid
 
     out = tmp_path / "r"
     runner.run(small_grid(), out, progress=False, log=lambda m: None)

@@ -11,7 +11,7 @@ import torch
 from bench import providers as prov
 from bench import runner
 from bench.runner import COLUMNS, Row
-from tests.bench.conftest import ALIBI, CAUSAL, small_grid
+from tests.bench.helpers import ALIBI, CAUSAL, PerturbedProvider, small_grid
 
 
 def _rows(path):
@@ -75,39 +75,9 @@ def test_tflops_is_flops_over_median_time(small_run):
     assert r["value"] == pytest.approx(flops / (t * 1e-3) / 1e12)
 
 
-class _Perturbed(prov.Provider):
-    """SDPA math, with the output or dq scaled: the checks must catch it."""
-
-    def __init__(self, name, out_scale=1.0, dq_scale=1.0, detach_bias=False):
-        self.name, self.out_scale, self.dq_scale, self.detach_bias = name, out_scale, dq_scale, detach_bias
-
-    def available(self, device):
-        return True, "test provider"
-
-    def prepare(self, ctx):
-        inner = prov.SDPAMath().prepare(ctx)
-        out_scale, dq_scale = self.out_scale, self.dq_scale
-
-        class ScaleGrad(torch.autograd.Function):
-            @staticmethod
-            def forward(_, q):
-                return q.view_as(q)
-
-            @staticmethod
-            def backward(_, g):
-                return g * dq_scale
-
-        def call(q, k, v):
-            return inner.call(ScaleGrad.apply(q), k, v) * out_scale
-
-        grad_call = None if self.detach_bias else (
-            lambda q, k, v: (inner.grad_call or inner.call)(ScaleGrad.apply(q), k, v) * out_scale)
-        return prov.Prepared(call, 0, "perturbed", grad_call)
-
-
 def test_wrong_outputs_and_gradients_fail(tmp_path, monkeypatch):
-    for p in (_Perturbed("wrong_out", out_scale=1.01), _Perturbed("wrong_dq", dq_scale=1.01),
-              _Perturbed("no_cap_grad", detach_bias=True)):
+    for p in (PerturbedProvider("wrong_out", out_scale=1.01), PerturbedProvider("wrong_dq", dq_scale=1.01),
+              PerturbedProvider("no_cap_grad", detach_bias=True)):
         monkeypatch.setitem(prov.PROVIDERS, p.name, p)
     grid = small_grid(providers=("wrong_out", "wrong_dq", "no_cap_grad"), passes=("fwd_bwd",),
                       variants=[f"{ALIBI}+{CAUSAL}"])

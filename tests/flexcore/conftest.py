@@ -30,3 +30,9 @@ def decided(monkeypatch):
     monkeypatch.setattr(fwd, "_forward", counting("forward", fwd._forward))
     monkeypatch.setattr(bwd, "_backward", counting("backward", bwd._backward))
     return counts
+
+
+@pytest.fixture
+def kernel_cache_dir(tmp_path_factory, monkeypatch):
+    """Generated kernels go to one folder of this test session (FLEXLAB_CACHE_DIR), not the user's cache."""
+    monkeypatch.setenv("FLEXLAB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernels"))

@@ -11,18 +11,10 @@ from flexcore.errors import InputError
 from flexcore.reference import flex_attention_reference
 from tests.flexcore.cases import CPU_SHAPES, MOD_NAMES, Shape, make_case, make_mods
 from tests.flexcore.compare import assert_matches_reference, rel_err, seed_of
+from tests.flexcore.helpers import check_forward
 from tests.flexcore.policies import policy_options
 
 DEVICE = "cpu"
-
-
-def check_forward(shape: Shape, mod_name: str, dtype, seed: int, kernel_options=None, device=DEVICE):
-    q, k, v, score_mod, bm = make_case(shape, mod_name, dtype, seed, device)
-    gqa = shape.Hq != shape.Hkv
-    out, lse = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
-                              return_lse=True, kernel_options=kernel_options)
-    assert out.shape == (shape.B, shape.Hq, shape.L, shape.Dv)
-    assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"{mod_name}/{shape.name}/{dtype}")
 
 
 @pytest.mark.parametrize("mod_name", MOD_NAMES)
@@ -370,25 +362,25 @@ def test_longest_first_orders_within_groups():
 
 
 def test_schedule_only_where_rows_differ_and_are_long():
-    from flexcore.attention import _kv_blocks
+    from flexcore.attention import kv_blocks
 
     causal = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, device="cpu",
                                BLOCK_SIZE=32)
-    blocks = _kv_blocks(causal, 2, 3)
+    blocks = kv_blocks(causal, 2, 3)
     order = blocks.schedule(8, 4)
     # A permutation of the 2 * 3 * 8 (batch·head, row) tiles; each group of 4 longest first.
     assert sorted(order.tolist()) == list(range(48))
     rows = (order % 8).view(-1, 4)
     assert torch.equal(rows, rows.sort(dim=1, descending=True).values)
     assert blocks.schedule(8, 4) is order  # cached
-    assert _kv_blocks(causal, 2, 3).schedule(8, 4) is order  # kept with the mask, not the views
+    assert kv_blocks(causal, 2, 3).schedule(8, 4) is order  # kept with the mask, not the views
     # Rows of 4.5 blocks on average: below a minimum of 5 the natural order stays.
     assert blocks.schedule(8, 4, min_mean_blocks=5.0) is None
     # Row i visits i full blocks and one partial (5/4 of a full one): 4.75 blocks on average.
     assert blocks.visits_on_average(8, 4.75) and not blocks.visits_on_average(8, 4.8)
     noop = create_block_mask(lambda b, h, q, kv: q >= 0, None, None, 256, 256, device="cpu",
                              BLOCK_SIZE=32)
-    assert _kv_blocks(noop, 2, 3).schedule(8, 4) is None  # every row alike: nothing to reorder
+    assert kv_blocks(noop, 2, 3).schedule(8, 4) is None  # every row alike: nothing to reorder
 
 
 @pytest.mark.parametrize("mod_name", ["noop", "causal", "prefix_lm", "document", "and_or"])
@@ -473,7 +465,7 @@ def test_warp_specialized_dense_path_reads_q_rows(monkeypatch, mod_name, layout)
 
 
 def test_block_paths_are_chosen_from_the_tables():
-    from flexcore.attention import _kv_blocks
+    from flexcore.attention import kv_blocks
 
     def causal(b, h, q, kv):
         return q >= kv
@@ -486,14 +478,14 @@ def test_block_paths_are_chosen_from_the_tables():
     }
     for name, (mask_mod, dense, runs) in cases.items():
         bm = create_block_mask(mask_mod, None, None, 100, 200, device="cpu", BLOCK_SIZE=32)
-        blocks = _kv_blocks(bm, 2, 3)
+        blocks = kv_blocks(bm, 2, 3)
         assert blocks.all_full(4, 7) is dense, name
         assert blocks.full_runs(4) is runs, name
     # A mask whose rows list every block, but one row lists one as partial: not dense.
     bm = create_block_mask(lambda b, h, q, kv: (q >= 0) & ((q > 0) | (kv > 0)), None, None, 100, 200,
                            device="cpu", BLOCK_SIZE=32)
-    assert not _kv_blocks(bm, 1, 1).all_full(4, 7)
-    assert _kv_blocks(bm, 1, 1).full_runs(4)  # row 0 lists blocks 1..6 as full: one run
+    assert not kv_blocks(bm, 1, 1).all_full(4, 7)
+    assert kv_blocks(bm, 1, 1).full_runs(4)  # row 0 lists blocks 1..6 as full: one run
 
 
 @pytest.mark.parametrize("mod_name", ["noop", "softcap", "causal", "prefix_lm", "document", "stripes"])

@@ -7,7 +7,8 @@ import torch
 from tests.flexcore.cases import GPU_SHAPES, MOD_NAMES, Shape
 from tests.flexcore.compare import seed_of
 from tests.flexcore.policies import policy_options
-from tests.flexcore.test_attention import check_forward
+from tests.flexcore.helpers import (backward_tables_spy, case_mods, check_backward, check_call, check_forward,
+                                   forward_tables_spy)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -197,13 +198,12 @@ def test_plans_gpu(monkeypatch, decided, shape, mod_name, learnable):
     # place run the plans and match the float64 reference; a plan's out, dq, dk and dv are
     # bit-identical to the full path's for the same inputs (the same compiled kernels).
     from flexcore.kernels import launch
-    from tests.flexcore.test_plans import _check_call, _mods
 
     gen = torch.Generator().manual_seed(seed_of("plans_gpu", shape.name, mod_name, learnable))
-    score_mod, gold_mod, caps, caps64, bm, refill = _mods(shape, mod_name, learnable, gen, "cuda")
+    score_mod, gold_mod, caps, caps64, bm, refill = case_mods(shape, mod_name, learnable, gen, "cuda")
 
     def call(what, generator=gen, opts=None):
-        return _check_call(shape, torch.bfloat16, generator, score_mod, gold_mod, caps, caps64, bm,
+        return check_call(shape, torch.bfloat16, generator, score_mod, gold_mod, caps, caps64, bm,
                            what, device="cuda", kernel_options=opts)
 
     for i in range(2):
@@ -231,7 +231,6 @@ def test_forward_finer_tables_gpu(monkeypatch, shape, mod_name, dtype):
     # Every mask over 64x64 tables (the policy's forward.refine; by default only masks whose
     # partial blocks hide enough empty and full sub-blocks take them), ragged lengths, GQA, D=64.
     from flexcore.kernels import forward as fwd
-    from tests.flexcore.test_refine import forward_tables_spy
 
     seen = forward_tables_spy(monkeypatch)
     monkeypatch.setattr(fwd, "_launcher", _pinned_launcher(fwd))
@@ -257,7 +256,7 @@ def test_anchors_masks_take_finer_tables_by_the_rule_gpu():
     # sliding window keeps its own at 16384 (the Gluon kernel, rows alike). Results against float64.
     from bench.mods import resolve
     from flexcore import create_block_mask, flex_attention
-    from flexcore.attention import _kv_blocks
+    from flexcore.attention import kv_blocks
     from flexcore.kernels import forward as fwd
     from flexcore.lowering import lower_mask_mod, lower_score_mod
     from flexcore.options import KernelOptions
@@ -271,7 +270,7 @@ def test_anchors_masks_take_finer_tables_by_the_rule_gpu():
         bm = create_block_mask(mods.mask_mod, 1, None, S, S, device="cuda")
         q, k, v = (torch.randn(1, 2, S, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
                    for _ in range(3))
-        blocks = _kv_blocks(bm, 1, 2)
+        blocks = kv_blocks(bm, 1, 2)
         chosen = fwd.refined(blocks, q, k, v, lower_score_mod(None), lower_mask_mod(bm.mask_mod),
                              128 ** -0.5, KernelOptions())
         assert (chosen is not blocks) is expected, (spec, S)
@@ -286,8 +285,6 @@ def test_anchors_masks_take_finer_tables_by_the_rule_gpu():
 def test_backward_finer_tables_gpu(monkeypatch, shape, mod_name, learnable):
     # The backward over the 64x64 tables (both kinds of program, 4-warp tiles), bf16, every
     # gradient against float64, ragged lengths, GQA, D=64 and 128.
-    from tests.flexcore.test_backward import check_backward
-    from tests.flexcore.test_refine import backward_tables_spy
 
     seen = backward_tables_spy(monkeypatch)
     check_backward(shape, mod_name, torch.bfloat16, seed_of("finer", "bwd", mod_name, shape.name, learnable),

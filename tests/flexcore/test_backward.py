@@ -13,121 +13,12 @@ import torch
 from flexcore import KernelOptions, create_block_mask, flex_attention
 from flexcore.errors import InputError
 from flexcore.reference import flex_attention_reference
-from flexcore.testing import assert_close_to_reference
 from tests.flexcore.cases import CPU_SHAPES, GPU_SHAPES, MOD_NAMES, Shape, make_mods
 from tests.flexcore.compare import seed_of
+from tests.flexcore.helpers import LEARNABLE, check_backward
 from tests.flexcore.policies import policy_options
 
 DEVICE = "cpu"
-
-
-# Learnable score_mods: factory(tensors) -> mod, so that the golden can read float64 copies.
-def _learnable(name: str, shape: Shape, gen: torch.Generator):
-    H, L, S, B = shape.Hq, shape.L, shape.S, shape.B
-    if name == "alibi_slope":
-        tensors = [torch.rand(H, generator=gen) + 0.1]
-
-        def factory(slope):
-            def learned_alibi(score, b, h, q_idx, kv_idx):
-                return score - slope[h] * (q_idx - kv_idx).abs()
-            return learned_alibi
-    elif name == "relative_table":
-        tensors = [0.5 * torch.randn(L + S, generator=gen)]
-
-        def factory(table):
-            def learned_relative(score, b, h, q_idx, kv_idx):
-                return score + table[q_idx - kv_idx + S]
-            return learned_relative
-    elif name == "table_read_twice":
-        # The same tensor read at two indices in one mod (torch's flex_attention rejects this). A
-        # product, because the gradient of a term that depends on q_idx alone is exactly zero.
-        tensors = [torch.randn(max(L, S), generator=gen)]
-
-        def factory(bias):
-            def bias_product(score, b, h, q_idx, kv_idx):
-                return score + bias[q_idx] * bias[kv_idx]
-            return bias_product
-    elif name == "bias_difference":
-        tensors = [torch.randn(max(L, S), generator=gen)]
-
-        def factory(bias):
-            def bias_difference(score, b, h, q_idx, kv_idx):
-                return score + bias[q_idx] - bias[kv_idx]
-            return bias_difference
-    elif name == "temperature":
-        tensors = [torch.rand(B, H, generator=gen) + 0.5]
-
-        def factory(temp):
-            def per_head_temperature(score, b, h, q_idx, kv_idx):
-                return score / temp[b, h]
-            return per_head_temperature
-    elif name == "t5_bucket_softcap":
-        # A T5-style bucketed bias per head, plus a learnable 0-d softcap.
-        tensors = [0.5 * torch.randn(H, 16, generator=gen), torch.tensor(4.0)]
-
-        def factory(bucket_bias, cap):
-            def t5_softcap(score, b, h, q_idx, kv_idx):
-                rel = q_idx - kv_idx
-                bucket = torch.where(rel < 0, 8, 0) + torch.clamp(rel.abs() // 4, max=7)
-                score = score + bucket_bias[h, bucket]
-                return cap * torch.tanh(score / cap)
-            return t5_softcap
-    else:
-        raise KeyError(name)
-    return factory, tensors
-
-
-LEARNABLE = ["alibi_slope", "relative_table", "table_read_twice", "bias_difference", "temperature",
-             "t5_bucket_softcap"]
-
-
-def _grads(out, inputs, grad_out):
-    return torch.autograd.grad(out, inputs, grad_out)
-
-
-def check_backward(shape: Shape, mod_name: str | None, dtype, seed: int, learnable: str | None = None,
-                   kernel_options=None, device=DEVICE, return_grads=False):
-    """Run forward + backward and compare every gradient with the float64 golden."""
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (t.to(device) for t in shape.qkv(dtype, "cpu", gen))
-    score_mod, mask_mod = make_mods(mod_name or "noop", shape, device, gen)
-    caps, caps64, factory = [], [], None
-    if learnable is not None:
-        factory, tensors = _learnable(learnable, shape, gen)
-        caps = [t.to(device).requires_grad_() for t in tensors]
-        caps64 = [t.detach().double().requires_grad_() for t in caps]
-        score_mod = factory(*caps)
-    bm = None
-    if mask_mod is not None:
-        bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=device,
-                               BLOCK_SIZE=shape.block)
-    gqa = shape.Hq != shape.Hkv
-    grad_out = torch.randn(shape.B, shape.Hq, shape.L, shape.Dv, generator=gen).to(device, dtype)
-
-    inputs = [t.requires_grad_() for t in (q, k, v)] + caps
-    out = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
-                         kernel_options=kernel_options)
-    ours = _grads(out, inputs, grad_out)
-
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    gold_mod = factory(*caps64) if factory is not None else score_mod
-    gold = flex_attention_reference(q64, k64, v64, score_mod=gold_mod, block_mask=bm, enable_gqa=gqa,
-                                    upcast=True)
-    golden = _grads(gold, [q64, k64, v64] + caps64, grad_out.double())
-    base = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
-                                    upcast=False)
-    baseline = _grads(base, inputs, grad_out)
-
-    names = ["dq", "dk", "dv"] + [f"d{learnable}[{i}]" for i in range(len(caps))]
-    for name, a, g, b, x in zip(names, ours, golden, baseline, inputs):
-        assert a.shape == x.shape and a.dtype == x.dtype, f"{name}: {a.shape} {a.dtype}"
-        assert torch.isfinite(a).all(), f"{name} has NaN/inf"
-        # Relative Frobenius error, as the forward tests: a captured tensor's gradient sums
-        # millions of terms, so its largest single-entry error says little.
-        assert_close_to_reference(a, g, b, metric="rel_fro", atol=1e-6 if dtype == torch.float32 else 1e-3,
-                                  name=f"{mod_name}/{learnable}/{shape.name}/{dtype}: {name}")
-    if return_grads:
-        return ours
 
 
 # -- the forward's variant matrix ---------------------------------------------------------------
@@ -447,7 +338,7 @@ def test_gradcheck_float64():
 def test_backward_kernels_float64():
     # The backward kernels accumulate in float64 for float64 inputs: fed the reference's own
     # forward outputs, they match autograd to rounding (identity score_mod, masked blocks).
-    from flexcore.attention import _kv_blocks
+    from flexcore.attention import kv_blocks
     from flexcore.kernels.backward import backward, q_block_tensors
     from flexcore.kernels.forward import row_stats_from_lse
     from flexcore.lowering import lower_mask_mod, lower_score_mod
@@ -470,7 +361,7 @@ def test_backward_kernels_float64():
     dq, dk, dv, caps = backward(q.detach(), k.detach(), v.detach(), out.detach(),
                                 row_stats_from_lse(lse.detach()),
                                 grad_out, score, lower_score_mod_backward(None, score), mask,
-                                _kv_blocks(bm, B, H), q_block_tensors(bm, B, H), D ** -0.5,
+                                kv_blocks(bm, B, H), q_block_tensors(bm, B, H), D ** -0.5,
                                 KernelOptions())
     assert caps == []
     for a, g in zip((dq, dk, dv), golden):

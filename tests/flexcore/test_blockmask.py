@@ -13,18 +13,12 @@ from flexcore import blockmask as bmod
 from flexcore.blockmask import BlockCounts, BlockMask, create_block_mask, create_mask
 from flexcore.errors import ControlFlowError, InputError, ModError, ModReturnError, ModSignatureError
 from flexcore.masks import and_masks, noop_mask, or_masks
-
-TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
+from tests.flexcore.helpers import TABLES, causal
 
 
 # ------------------------------------------------------------------------------------------------
 # Mask families, each a factory of a pure index function (captured tensors are fresh random data)
 # ------------------------------------------------------------------------------------------------
-
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
 
 def generate_sliding_window(window):
     def sliding_window(b, h, q_idx, kv_idx):

@@ -21,46 +21,9 @@ from flexcore.errors import UnsupportedOpError
 from flexcore.reference import flex_attention_reference
 from flexcore.testing import assert_close_to_reference
 from tests.flexcore.compare import seed_of
-
-H, D = 2, 16
-
-
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
-
-
-class AttentionBlock(nn.Module):
-    """Linear layers around flex_attention: causal, with ALiBi-like biases whose slopes are a
-    learnable Parameter. ``attend`` is flex_attention's signature (the reference stands in)."""
-
-    def __init__(self, attend=flex_attention):
-        super().__init__()
-        self.attend = attend
-        self.qkv = nn.Linear(H * D, 3 * H * D)
-        self.proj = nn.Linear(H * D, H * D)
-        self.slopes = nn.Parameter(torch.exp2(-torch.arange(1.0, H + 1)))
-
-    def forward(self, x, block_mask):
-        B, L, _ = x.shape
-        # (B, H, L, D) views of one projection: not contiguous, as in real models.
-        q, k, v = self.qkv(x).view(B, L, 3, H, D).permute(2, 0, 3, 1, 4)
-        slopes = self.slopes
-
-        def alibi(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx - kv_idx)
-
-        out = self.attend(q, k, v, score_mod=alibi, block_mask=block_mask)
-        return self.proj(out.transpose(1, 2).reshape(B, L, H * D))
-
-
-def run_block(model, x, block_mask, weights):
-    """(output, gradients of every parameter and of x) of the loss (model(x) * weights).sum()."""
-    x = x.detach().clone().requires_grad_()
-    model.zero_grad(set_to_none=True)
-    out = model(x, block_mask)
-    (out * weights).sum().backward()
-    grads = {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()}
-    return out.detach(), {**grads, "x": x.grad}
+from tests.flexcore.helpers import BLOCK_HEAD_DIM as D
+from tests.flexcore.helpers import BLOCK_HEADS as H
+from tests.flexcore.helpers import AttentionBlock, causal, run_block
 
 
 def assert_same(got, expected, what):

@@ -13,7 +13,9 @@ from flexcore import AuxRequest, create_block_mask, flex_attention
 from flexcore.reference import flex_attention_reference
 from flexcore.testing import assert_close_to_reference
 from tests.flexcore.compare import seed_of
-from tests.flexcore.test_compile import H, D, AttentionBlock, causal, run_block
+from tests.flexcore.helpers import BLOCK_HEAD_DIM as D
+from tests.flexcore.helpers import BLOCK_HEADS as H
+from tests.flexcore.helpers import AttentionBlock, causal, run_block
 
 pytestmark = [
     pytest.mark.gpu,

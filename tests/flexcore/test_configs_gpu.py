@@ -12,8 +12,7 @@ from flexcore.kernels.decode import _GPU_CONFIGS as DECODE_CONFIGS
 from flexcore.kernels.forward import gpu_configs
 from tests.flexcore.cases import Shape
 from tests.flexcore.compare import seed_of
-from tests.flexcore.test_attention import check_forward
-from tests.flexcore.test_decode import check_decode
+from tests.flexcore.helpers import check_decode, check_forward
 
 pytestmark = [
     pytest.mark.gpu,

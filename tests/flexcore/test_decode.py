@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flexcore import BlockMask, create_block_mask, flex_attention
-from flexcore.attention import _kv_blocks
+from flexcore.attention import kv_blocks
 from flexcore.decoding import offset_mask_mod, offset_score_mod
 from flexcore.errors import InputError
 from flexcore.kernels import codegen
@@ -17,27 +17,9 @@ from flexcore.options import KernelOptions
 from flexcore.reference import flex_attention_reference
 from tests.flexcore.cases import MOD_NAMES, Shape, make_case, make_mods
 from tests.flexcore.compare import assert_matches_reference, rel_err, seed_of
+from tests.flexcore.helpers import check_decode, run_decode, shape_spy
 
 DEVICE = "cpu"
-
-
-def run_decode(q, k, v, score_mod, block_mask, num_splits=None, opts=None):
-    """The decode kernel on (q, k, v) with a user score_mod and a BlockMask (None: attend all)."""
-    B, Hq, L, D = q.shape
-    if block_mask is None:
-        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= 0, None, None, L,
-                                       k.shape[2], device=q.device)
-    return decode(q, k, v, lower_score_mod(score_mod), lower_mask_mod(block_mask.mask_mod),
-                  _kv_blocks(block_mask, B, Hq), 1.0 / math.sqrt(D), opts or KernelOptions(),
-                  num_splits=num_splits)
-
-
-def check_decode(shape: Shape, mod_name: str, dtype, seed: int, num_splits=None, device=DEVICE,
-                 opts=None):
-    q, k, v, score_mod, bm = make_case(shape, mod_name, dtype, seed, device)
-    out, lse = run_decode(q, k, v, score_mod, bm, num_splits=num_splits,
-                          opts=KernelOptions.from_any(opts))
-    assert_matches_reference(q, k, v, score_mod, bm, out, lse, f"{mod_name}/{shape.name}/{dtype}")
 
 
 # Why these shapes: S=300 leaves a ragged last key block; 8 query heads on 2 KV heads packs a GQA
@@ -122,7 +104,7 @@ def test_decode_float64_runs_the_forward_kernel():
     shape = decode_shape(2)
     q, k, v, score_mod, bm = make_case(shape, "alibi", torch.float64, seed_of("decode_f64"), DEVICE)
     out, lse = decode(q, k, v, lower_score_mod(score_mod, torch.float64), lower_mask_mod(bm.mask_mod),
-                      _kv_blocks(bm, shape.B, shape.Hq), 0.3, KernelOptions())
+                      kv_blocks(bm, shape.B, shape.Hq), 0.3, KernelOptions())
     gold, gold_lse = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=bm, scale=0.3,
                                               enable_gqa=True, return_lse=True)
     assert out.dtype == lse.dtype == torch.float64
@@ -142,7 +124,7 @@ def test_decode_per_head_block_mask():
     bm = create_block_mask(per_head_window, None, shape.Hq, shape.L, shape.S, device=DEVICE,
                            BLOCK_SIZE=64)
     plan = plan_decode(shape.B, shape.Hq, shape.Hkv, shape.L, shape.S,
-                       _kv_blocks(bm, shape.B, shape.Hq), torch.device(DEVICE))
+                       kv_blocks(bm, shape.B, shape.Hq), torch.device(DEVICE))
     assert plan.heads_per_tile == 1
     out, lse = run_decode(q, k, v, None, bm)
     assert_matches_reference(q, k, v, None, bm, out, lse, "per-head mask")
@@ -169,10 +151,10 @@ def test_decode_query_longer_than_mask_block():
 def test_decode_plan_packs_gqa_group():
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 1, 8192,
                            device=DEVICE)
-    plan = plan_decode(8, 32, 8, 1, 8192, _kv_blocks(bm, 8, 32), torch.device(DEVICE), num_splits=4)
+    plan = plan_decode(8, 32, 8, 1, 8192, kv_blocks(bm, 8, 32), torch.device(DEVICE), num_splits=4)
     assert plan == DecodePlan(heads_per_tile=4, q_per_tile=1, q_chunks=1, block_m=16, num_splits=4)
     with pytest.raises(InputError, match="num_splits"):
-        plan_decode(8, 32, 8, 1, 8192, _kv_blocks(bm, 8, 32), torch.device(DEVICE), num_splits=0)
+        plan_decode(8, 32, 8, 1, 8192, kv_blocks(bm, 8, 32), torch.device(DEVICE), num_splits=0)
 
 
 def test_choose_num_splits_fills_the_gpu():
@@ -271,14 +253,7 @@ def test_flex_attention_switches_to_decode(monkeypatch):
     # decode=None) and when forced (decode=True), with the same result as a direct call.
     import flexcore.kernels.decode as decode_module
 
-    calls = []
-    real = decode_module.decode
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decode_module, "decode", spy)
+    calls = shape_spy(monkeypatch, decode_module, "decode")
     gen = torch.Generator().manual_seed(31)
     shape = decode_shape(1)
     q, k, v = shape.qkv(torch.float32, DEVICE, gen)

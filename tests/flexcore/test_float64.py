@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from flexcore import AuxRequest, create_block_mask, flex_attention
-from flexcore.reference import flex_attention_reference
 from tests.flexcore.cases import Shape, make_mods
 from tests.flexcore.compare import seed_of
-from tests.flexcore.test_lse_grad import _learnable_bias, kernel_grads, reference_grads
+from tests.flexcore.helpers import kernel_grads, learnable_bias, reference_grads
 
 DEVICE = "cpu"
 F64 = torch.float64
@@ -72,7 +71,7 @@ def test_captured_tensor_gradient_to_float64_rounding():
     shape = Shape("bias", B=1, Hq=2, Hkv=2, L=64, S=96, D=16, Dv=16, block=32)
     gen = torch.Generator().manual_seed(seed_of("f64_bias"))
     q, k, v = shape.qkv(F64, DEVICE, gen)
-    factory, bias = _learnable_bias(shape.S, gen, F64)
+    factory, bias = learnable_bias(shape.S, gen, F64)
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + 32, None, None, shape.L, shape.S,
                            device=DEVICE, BLOCK_SIZE=shape.block)
     grad_out = torch.randn(shape.B, shape.Hq, shape.L, shape.Dv, generator=gen, dtype=F64)
@@ -104,7 +103,7 @@ def test_gradcheck_through_flex_attention():
 
 
 class _KernelAttention(torch.autograd.Function):
-    """out and a differentiable lse from the kernels (as tests/flexcore/test_lse_grad.kernel_grads),
+    """out and a differentiable lse from the kernels (as tests/flexcore/helpers.kernel_grads),
     scale 0.3 (inexact in float32)."""
 
     @staticmethod
@@ -116,7 +115,7 @@ class _KernelAttention(torch.autograd.Function):
         score_mod = factory(bias)
         B, H = q.shape[:2]
         out, lse, _ = forward(q, k, v, lower_score_mod(score_mod, F64), lower_mask_mod(bm.mask_mod),
-                              attention._kv_blocks(bm, B, H), 0.3, _options())
+                              attention.kv_blocks(bm, B, H), 0.3, _options())
         ctx.save_for_backward(q, k, v, bias)
         ctx.factory, ctx.bm = factory, bm
         return out, lse
@@ -139,7 +138,7 @@ def test_gradcheck_of_the_lse_gradient():
     on q, k, v and a captured bias."""
     gen = torch.Generator().manual_seed(seed_of("f64_gradcheck_lse"))
     q, k, v = (torch.randn(1, 1, 32, 4, generator=gen, dtype=F64).requires_grad_() for _ in range(3))
-    factory, bias = _learnable_bias(32, gen, F64)
+    factory, bias = learnable_bias(32, gen, F64)
     bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 32, 32, device=DEVICE,
                            BLOCK_SIZE=16)
     assert torch.autograd.gradcheck(lambda *t: _KernelAttention.apply(*t, factory, bm), (q, k, v, bias),

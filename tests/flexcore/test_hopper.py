@@ -12,7 +12,7 @@ from flexcore.kernels.policy import DEFAULT_POLICY
 from tests.flexcore.cases import Shape
 from tests.flexcore.compare import assert_matches_reference, seed_of
 from tests.flexcore.policies import policy_options
-from tests.flexcore.test_backward import check_backward
+from tests.flexcore.helpers import check_backward, check_lse_grads, kernel_grads, shape_spy
 
 
 # --- the layout check, on any machine ---
@@ -306,15 +306,7 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper)
 
 
 def _spy(monkeypatch) -> list:
-    calls = []
-    real = hopper.forward
-
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(hopper, "forward", spy)
-    return calls
+    return shape_spy(monkeypatch, hopper, "forward")
 
 
 _SHAPES = [
@@ -771,7 +763,6 @@ def test_backward_falls_back_to_the_template(monkeypatch, case):
 def test_backward_lse_gradient(monkeypatch, shape, mod_name):
     # grad_lse through the Gluon backward (the preprocessing kernel's delta carries it) against the
     # float64 autograd of (out * g).sum() + (lse * h).sum(), tolerances relative to torch's bf16.
-    from tests.flexcore.test_lse_grad import check_lse_grads
 
     opts = policy_options(gluon={"backward": "on"})  # raises if the call is not served
     calls = _spy_backward(monkeypatch)
@@ -784,7 +775,6 @@ def test_backward_lse_gradient(monkeypatch, shape, mod_name):
 @pytest.mark.parametrize("mask", ["noop", "causal"])
 def test_backward_lse_gradient_is_the_templates_bit_for_bit(monkeypatch, mask):
     # Both read the same delta - grad_lse from the preprocessing kernel: identical gradients.
-    from tests.flexcore.test_lse_grad import kernel_grads
 
     gen = torch.Generator().manual_seed(seed_of("hopper-lse-bits", mask))
     q, k, v = (torch.randn(2, 4, 1024, 128, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))

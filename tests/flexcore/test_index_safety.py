@@ -13,17 +13,10 @@ from torch.nn.attention import flex_attention as torch_flex
 from flexcore.errors import ModError, ModIndexError
 from flexcore.lowering import check_indices, indexcheck, lower_mask_mod, lower_score_mod
 from flexcore.reference import flex_attention_reference
+from tests.flexcore.helpers import line_of
 
 pytestmark = [pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
               pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
-
-
-def _line_of(marker: str) -> int:
-    with open(__file__) as f:
-        for i, line in enumerate(f, 1):
-            if marker in line and "_line_of" not in line:
-                return i
-    raise AssertionError(marker)
 
 
 @pytest.fixture
@@ -51,7 +44,7 @@ def test_issue_probe_bias_shorter_than_the_keys_is_caught():
         check_indices(add_bias, "score", 1, 2, 80, 80, runtime=False)
     err = info.value
     assert isinstance(err, IndexError) and isinstance(err, ModError)
-    assert err.lineno == _line_of("MARK-probe") and err.filename == __file__
+    assert err.lineno == line_of(__file__, "MARK-probe") and err.filename == __file__
     assert err.size == 40 and err.expression == "kv_idx" and err.value == 40
     assert err.position == {"kv_idx": 40}
     text = str(err)
@@ -126,7 +119,7 @@ def test_indices_read_from_captured_tensors_are_checked_at_run_time(evaluations)
     err = info.value
     assert err.position == {"q_idx": 5} and err.value == 4 and err.size == 4
     assert err.expression == "doc_ids[q_idx]" and "`lengths`" in str(err)
-    assert err.lineno == _line_of("MARK-doc")
+    assert err.lineno == line_of(__file__, "MARK-doc")
     doc_ids[5] = 2
     assert check_indices(in_doc, "mask", 1, 1, 8, 8, runtime=True).complete
 

@@ -8,7 +8,6 @@ mod computes in floats.
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,11 +19,13 @@ from flexcore.errors import (ControlFlowError, ModError, ModReturnError, ModSign
 from flexcore.kernels import codegen as kcodegen
 from flexcore.lowering import LoweredMod, evaluate_mods, lower_mask_mod, lower_score_mod
 from flexcore.lowering import api as lowering_api
+from tests.flexcore.helpers import line_of
 
 _ROOT = Path(__file__).resolve().parents[2]
 # The interpreter evaluates both branches of tl.where with numpy, which warns on log(0), 1/0, ...
 # (and torch.vmap, used by the eager reference, has no batching rule for masked_fill).
-pytestmark = [pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),
+pytestmark = [pytest.mark.usefixtures("kernel_cache_dir"),
+              pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning"),
               pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")]
 
@@ -33,11 +34,6 @@ pytestmark = [pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning
 # to cover several tiles per dimension.
 B, H, Q_LEN, KV_LEN = 2, 3, 37, 45
 TILE = 64
-
-
-@pytest.fixture(autouse=True)
-def _kernel_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FLEXLAB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernels"))
 
 
 def _vmapped(mod, n_args: int):
@@ -449,19 +445,11 @@ def test_int64_stays_int64():
 
 
 # --------------------------------------------------------------------------- errors
-def _line_of(marker: str) -> int:
-    with open(__file__) as f:
-        for i, line in enumerate(f, 1):
-            if marker in line and "_line_of" not in line:
-                return i
-    raise AssertionError(marker)
-
-
 def _check_error(err, cls, mod_name, marker, *words):
     assert isinstance(err, cls), type(err)
     assert err.mod_name == mod_name
     assert err.filename == __file__
-    assert err.lineno == _line_of(marker), (err.lineno, _line_of(marker))
+    assert err.lineno == line_of(__file__, marker), (err.lineno, line_of(__file__, marker))
     text = str(err)
     assert f"{__file__}:{err.lineno}" in text and mod_name in text
     for word in words:
@@ -563,7 +551,7 @@ def test_constant_index_out_of_range():
 
     with pytest.raises(ModError, match="out of range") as info:
         lower_mask_mod(off_the_end)
-    assert info.value.lineno == _line_of("MARK-oob")
+    assert info.value.lineno == line_of(__file__, "MARK-oob")
 
 
 def test_other_exceptions_are_wrapped_with_line():
@@ -582,14 +570,14 @@ def test_other_exceptions_are_wrapped_with_line():
 
     with pytest.raises(ModError) as info:
         lower_mask_mod(too_many)
-    assert info.value.lineno == _line_of("MARK-toomany")
+    assert info.value.lineno == line_of(__file__, "MARK-toomany")
 
     def bad_slice(b, h, q_idx, kv_idx):
         return table[q_idx:, kv_idx][h] > 0  # MARK-slice
 
     with pytest.raises(ModError, match="slice") as info:
         lower_mask_mod(bad_slice)
-    assert info.value.lineno == _line_of("MARK-slice")
+    assert info.value.lineno == line_of(__file__, "MARK-slice")
 
 
 # --------------------------------------------------------------------------- caching
@@ -759,7 +747,7 @@ def test_bf16_softcap_matches_the_reference_through_fast_math():
     out, aux = flex_attention(q, k, v, score_mod=softcap, block_mask=bm,
                               return_aux=AuxRequest(lse=True))
     lse = aux.lse
-    assert "fl_tanh_approx(" in api._lower(softcap, "score", torch.float32, True).source
+    assert "fl_tanh_approx(" in api.lower_mod(softcap, "score", torch.float32, True).source
     assert_matches_reference(q, k, v, softcap, bm, out, lse, "bf16 softcap")
 
 

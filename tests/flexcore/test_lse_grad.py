@@ -22,108 +22,10 @@ from flexcore.reference import flex_attention_reference
 from flexcore.testing import assert_close_to_reference
 from tests.flexcore.cases import Shape, make_mods
 from tests.flexcore.compare import seed_of
+from tests.flexcore.helpers import backward_tables_spy, check_lse_grads, kernel_grads, reference_grads
 from tests.flexcore.policies import policy_options
 
 DEVICE = "cpu"
-
-
-def kernel_grads(q, k, v, score_mod, bm, grad_out, grad_lse, *, scale=None, opts=None, enable_gqa=False,
-                 captured=()):
-    """(out, lse, row_stats, grads) from the forward (or decode) and backward kernels called directly;
-    grads holds dq, dk, dv and the gradients of ``captured`` (the score_mod's tensors that require
-    grad, in the order the mod reads them); None without ``grad_out`` (no backward)."""
-    from flexcore import attention
-    from flexcore._runtime import prepare_triton
-    from flexcore.kernels.backward import backward
-    from flexcore.kernels.decode import decode
-    from flexcore.kernels.forward import forward, row_stats_from_lse
-    from flexcore.lowering import lower_mask_mod, lower_score_mod
-    from flexcore.lowering.vjp import lower_score_mod_backward
-
-    prepare_triton()
-    B, Hq, L, D = q.shape
-    S = k.shape[2]
-    if bm is None:
-        bm = attention._full_block_mask(L, S, q.device)
-    scale = D ** -0.5 if scale is None else scale
-    opts = KernelOptions.from_any(opts)
-    score_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    score = lower_score_mod(score_mod, score_dtype, fast_math=q.dtype in (torch.float16, torch.bfloat16))
-    mask = lower_mask_mod(bm.mask_mod)
-    blocks = attention._kv_blocks(bm, B, Hq)
-    if attention._decodes(q, opts):
-        out, lse = decode(q, k, v, score, mask, blocks, scale, opts)
-        row_stats = row_stats_from_lse(lse)
-    else:
-        out, lse, row_stats = forward(q, k, v, score, mask, blocks, scale, opts)
-    if grad_out is None:
-        return out, lse, row_stats, None
-    dq, dk, dv, caps = backward(q, k, v, out, row_stats, grad_out, score,
-                                lower_score_mod_backward(score_mod, score, score_dtype), mask, blocks,
-                                attention._q_blocks(bm, B, Hq), scale, opts, grad_lse=grad_lse)
-    by_id = {id(t): g for t, g in zip(score.captured, caps)}
-    return out, lse, row_stats, [dq, dk, dv, *(by_id[id(t)] for t in captured)]
-
-
-def reference_grads(q, k, v, score_mod, bm, grad_out, grad_lse, *, upcast, scale=None, enable_gqa=False,
-                    captured=()):
-    """Gradients of ``(out * grad_out).sum() + (lse * grad_lse).sum()`` through the eager reference
-    (float64 with ``upcast``: pass float64 ``captured`` tensors read by ``score_mod``)."""
-    if upcast:
-        q, k, v = (t.detach().double() for t in (q, k, v))
-        grad_out, grad_lse = grad_out.double(), grad_lse.double()
-    inputs = [t.detach().requires_grad_() for t in (q, k, v)] + list(captured)
-    out, lse = flex_attention_reference(*inputs[:3], score_mod=score_mod, block_mask=bm, scale=scale,
-                                        enable_gqa=enable_gqa, return_lse=True, upcast=upcast)
-    return out, lse, torch.autograd.grad((out, lse), inputs, (grad_out, grad_lse.to(lse.dtype)))
-
-
-def _learnable_bias(n: int, gen, dtype=torch.float32):
-    """A score_mod factory over a learnable per-key bias, and the bias."""
-    bias = (0.5 * torch.randn(n, generator=gen)).to(dtype).requires_grad_()
-
-    def factory(b_):
-        def key_bias(score, b, h, q_idx, kv_idx):
-            return score + b_[kv_idx]
-        return key_bias
-    return factory, bias
-
-
-def check_lse_grads(shape: Shape, mod_name: str, dtype, seed, *, learnable=False, opts=None, scale=None,
-                    device=DEVICE):
-    """Kernel gradients with a random grad_lse against the float64 golden, tolerances relative to
-    torch's own error; also checks that grad_lse changed them (the lse term is not ignored)."""
-    gen = torch.Generator().manual_seed(seed)
-    q, k, v = (t.to(device) for t in shape.qkv(dtype, "cpu", gen))
-    score_mod, mask_mod = make_mods(mod_name, shape, device, gen)
-    captured, captured64, gold_mod = (), (), score_mod
-    if learnable:
-        factory, bias = _learnable_bias(shape.S, gen)
-        bias = bias.detach().to(device).requires_grad_()
-        bias64 = bias.detach().double().requires_grad_()
-        score_mod, gold_mod, captured, captured64 = factory(bias), factory(bias64), (bias,), (bias64,)
-    bm = None
-    if mask_mod is not None:
-        bm = create_block_mask(mask_mod, shape.B, None, shape.L, shape.S, device=device, BLOCK_SIZE=shape.block)
-    gqa = shape.Hq != shape.Hkv
-    grad_out = torch.randn(shape.B, shape.Hq, shape.L, shape.Dv, generator=gen).to(device, dtype)
-    grad_lse = torch.randn(shape.B, shape.Hq, shape.L, generator=gen).to(device)
-    _, _, _, ours = kernel_grads(q, k, v, score_mod, bm, grad_out, grad_lse, scale=scale, opts=opts,
-                                 enable_gqa=gqa, captured=captured)
-    _, _, golden = reference_grads(q, k, v, gold_mod, bm, grad_out, grad_lse, upcast=True, scale=scale,
-                                   enable_gqa=gqa, captured=captured64)
-    _, _, baseline = reference_grads(q, k, v, score_mod, bm, grad_out, grad_lse, upcast=False, scale=scale,
-                                     enable_gqa=gqa, captured=captured)
-    _, _, without = reference_grads(q, k, v, gold_mod, bm, grad_out, torch.zeros_like(grad_lse), upcast=True,
-                                    scale=scale, enable_gqa=gqa, captured=captured64)
-    names = ["dq", "dk", "dv"] + ["dbias"] * len(captured)
-    atol = 1e-6 if dtype == torch.float32 else 1e-3
-    for name, a, g, b, w in zip(names, ours, golden, baseline, without):
-        assert torch.isfinite(a).all(), f"{mod_name}/{dtype}: {name} has NaN/inf"
-        assert_close_to_reference(a, g, b, metric="rel_fro", atol=atol, name=f"{mod_name}/{dtype}: {name}")
-        if name != "dv":  # dv does not depend on the lse: the lse term must move the others
-            assert (g - w).norm() > 0.05 * g.norm(), f"{name}: grad_lse barely changes the golden"
-    return ours
 
 
 SMALL = Shape("small", B=2, Hq=2, Hkv=2, L=128, S=128, D=32, Dv=32, block=64)
@@ -186,14 +88,7 @@ def test_lse_gradient_of_a_captured_tensor(monkeypatch, exact_delta, dtype):
 
 def test_lse_gradient_over_finer_tables(monkeypatch):
     """The backward over the mask's tables refined to 64x64 blocks (the policy's forward.refine)."""
-    sizes = []
-    real = bwd._tiles
-
-    def spy(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args):
-        sizes.append((sparse_q, sparse_kv))
-        return real(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args)
-
-    monkeypatch.setattr(bwd, "_tiles", spy)
+    sizes = backward_tables_spy(monkeypatch)
     shape = Shape("refine", B=1, Hq=2, Hkv=2, L=256, S=256, D=32, Dv=32, block=128)
     check_lse_grads(shape, "document", torch.float32, seed_of("lse_grad_refine"),
                     opts=policy_options(forward={"refine": "on"}))
@@ -385,7 +280,7 @@ def test_max_scores_of_the_decode_kernel(dtype, num_splits):
     bm = create_block_mask(mask_mod, None, shape.Hq, shape.L, shape.S, device=DEVICE, BLOCK_SIZE=shape.block)
     score, mask = lower_score_mod(None, torch.float64 if dtype == torch.float64 else torch.float32), \
         lower_mask_mod(mask_mod)
-    out, lse, got = decode(q, k, v, score, mask, attention._kv_blocks(bm, shape.B, shape.Hq), shape.D ** -0.5,
+    out, lse, got = decode(q, k, v, score, mask, attention.kv_blocks(bm, shape.B, shape.Hq), shape.D ** -0.5,
                            KernelOptions(), num_splits=num_splits, return_max_scores=True)
     gold = _row_max_golden(q, k.repeat_interleave(2, dim=1), None, bm)
     assert got.dtype == lse.dtype
@@ -395,6 +290,6 @@ def test_max_scores_of_the_decode_kernel(dtype, num_splits):
     tol = 1e-13 if dtype == torch.float64 else 1e-5
     assert (got[fin].double() - gold[fin]).abs().max() <= tol * max(1.0, gold[fin].abs().max().item())
     # The plain call returns (out, lse) as before, the same values.
-    out2, lse2 = decode(q, k, v, score, mask, attention._kv_blocks(bm, shape.B, shape.Hq), shape.D ** -0.5,
+    out2, lse2 = decode(q, k, v, score, mask, attention.kv_blocks(bm, shape.B, shape.Hq), shape.D ** -0.5,
                         KernelOptions(), num_splits=num_splits)
     assert torch.equal(out.nan_to_num(), out2.nan_to_num()) and torch.equal(lse, lse2)

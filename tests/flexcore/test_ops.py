@@ -17,17 +17,13 @@ import torch.nn.functional as F
 from flexcore.errors import ModError, UnsupportedOpError
 from flexcore.lowering import evaluate_mods, evaluate_score_backward, lower_score_mod
 
-pytestmark = [pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),
+pytestmark = [pytest.mark.usefixtures("kernel_cache_dir"),
+              pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),
               pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")]
 
 # 19 x 23 leaves padded rows and columns in a 32 x 32 tile; two heads give h a range.
 B, H, L, S = 1, 2, 19, 23
 TILE = 32
-
-
-@pytest.fixture(autouse=True)
-def _kernel_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("FLEXLAB_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "kernels"))
 
 
 @dataclass(frozen=True)

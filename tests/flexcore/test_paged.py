@@ -14,7 +14,7 @@ from flexcore.kernels import codegen
 from flexcore.lowering import lower_score_mod
 from flexcore.paged import PagedAttention
 from tests.flexcore.compare import assert_matches_reference, rel_err, seed_of
-from tests.flexcore.test_decode import run_decode
+from tests.flexcore.helpers import run_decode
 
 DEVICE = "cpu"
 
@@ -355,7 +355,7 @@ def test_paged_decode_gpu(S):
     """Paged decoding over scattered pages matches the reference, as the contiguous cache does
     (page 128). Its latency against the contiguous cache is measured by the benchmark:
     ``python -m bench run --config decode`` (provider flexlab_paged)."""
-    from flexcore.attention import _kv_blocks
+    from flexcore.attention import kv_blocks
     from flexcore.kernels.decode import decode
     from flexcore.lowering import lower_mask_mod
     from flexcore.options import KernelOptions
@@ -382,7 +382,7 @@ def test_paged_decode_gpu(S):
 
     def call(qq, kk, vv, bm, score_mod):
         args = (qq, kk, vv, lower_score_mod(score_mod), lower_mask_mod(bm.mask_mod),
-                _kv_blocks(bm, B, Hq), scale, KernelOptions())
+                kv_blocks(bm, B, Hq), scale, KernelOptions())
         return lambda: decode(*args)
 
     contiguous = call(q, k, v, logical, None)

@@ -14,69 +14,14 @@ import torch
 
 from flexcore import KernelOptions, create_block_mask, flex_attention
 from flexcore.kernels import launch as L
-from flexcore.reference import flex_attention_reference
-from flexcore.testing import assert_close_to_reference
 from tests.flexcore.cases import CPU_SHAPES, Shape, make_mods
 from tests.flexcore.compare import seed_of
 from tests.flexcore.policies import policy_options
-from tests.flexcore.test_backward import _learnable
+from tests.flexcore.helpers import case_mods, check_call
 
 
 def _plans(kind: str) -> int:
     return sum(1 for key in L._plans if kind in key)
-
-
-def _check_call(shape: Shape, dtype, gen, score_mod, gold_mod, caps, caps64, bm, what: str,
-                layout: str = "bhsd", device="cpu", **kwargs) -> list:
-    """One forward+backward with fresh inputs, every output against the float64 reference.
-    Returns [out, dq, dk, dv, captured gradients...]."""
-    q = torch.randn(shape.B, shape.Hq, shape.L, shape.D, generator=gen)
-    k = torch.randn(shape.B, shape.Hkv, shape.S, shape.D, generator=gen)
-    v = torch.randn(shape.B, shape.Hkv, shape.S, shape.Dv, generator=gen)
-    if layout == "heads_inner":  # (B, S, H, D) memory viewed as (B, H, S, D)
-        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
-    q, k, v = (t.to(device, dtype).requires_grad_() for t in (q, k, v))
-    grad_out = torch.randn(shape.B, shape.Hq, shape.L, shape.Dv, generator=gen).to(device, dtype)
-    gqa = shape.Hq != shape.Hkv
-    inputs = [q, k, v] + caps
-    out = flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa, **kwargs)
-    ours = [out, *torch.autograd.grad(out, inputs, grad_out)]
-
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    gold = flex_attention_reference(q64, k64, v64, score_mod=gold_mod, block_mask=bm, enable_gqa=gqa,
-                                    scale=kwargs.get("scale"), upcast=True)
-    golden = [gold, *torch.autograd.grad(gold, [q64, k64, v64] + caps64, grad_out.double())]
-    base = flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
-                                    scale=kwargs.get("scale"), upcast=False)
-    baseline = [base, *torch.autograd.grad(base, inputs, grad_out)]
-    names = ["out", "dq", "dk", "dv"] + [f"dcap{i}" for i in range(len(caps))]
-    for name, a, g, b in zip(names, ours, golden, baseline):
-        assert torch.isfinite(a).all(), f"{what}: {name} has NaN/inf"
-        assert_close_to_reference(a, g, b, metric="rel_fro", atol=1e-6 if dtype == torch.float32 else 1e-3,
-                                  name=f"{what}: {name}")
-    return ours
-
-
-def _mods(shape, mod_name, learnable, gen, device="cpu"):
-    """(score_mod, gold_mod, caps, caps64, block_mask, refill) for a case; refill() draws new
-    values into the captured tensors in place (a training step's update)."""
-    score_mod, mask_mod = make_mods(mod_name, shape, device, gen)
-    caps, caps64, gold_mod = [], [], score_mod
-    if learnable is not None:
-        factory, tensors = _learnable(learnable, shape, gen)
-        caps = [t.to(device).requires_grad_() for t in tensors]
-        caps64 = [t.detach().double().requires_grad_() for t in caps]
-        score_mod, gold_mod = factory(*caps), factory(*caps64)
-    bm = None if mask_mod is None else create_block_mask(mask_mod, shape.B, None, shape.L, shape.S,
-                                                         device=device, BLOCK_SIZE=shape.block)
-
-    def refill():  # each value scaled by a factor in [0.8, 1.2): new values, the same signs
-        with torch.no_grad():
-            for c, c64 in zip(caps, caps64):
-                c.mul_((0.8 + 0.4 * torch.rand(c.shape, generator=gen)).to(device))
-                c64.copy_(c)
-
-    return score_mod, gold_mod, caps, caps64, bm, refill
 
 
 CASES = [
@@ -98,9 +43,9 @@ def test_repeated_calls_run_their_plans(decided, shape, mod_name, learnable, dty
     calls (fresh inputs, captured tensors updated in place) run the plans, and every call matches
     the reference, captured gradients included."""
     gen = torch.Generator().manual_seed(seed_of("plans", shape.name, mod_name, learnable))
-    score_mod, gold_mod, caps, caps64, bm, refill = _mods(shape, mod_name, learnable, gen)
+    score_mod, gold_mod, caps, caps64, bm, refill = case_mods(shape, mod_name, learnable, gen)
     for call in range(3):
-        _check_call(shape, dtype, gen, score_mod, gold_mod, caps, caps64, bm, f"call {call}")
+        check_call(shape, dtype, gen, score_mod, gold_mod, caps, caps64, bm, f"call {call}")
         refill()
     assert decided == {"forward": 1, "backward": 1}
     assert _plans("forward") == 1 and _plans("backward") == 1
@@ -111,15 +56,15 @@ def test_changes_of_the_call_decide_again(decided):
     path once (and keeps its own plan), and every call matches the reference."""
     shape = CPU_SHAPES[0]
     gen = torch.Generator().manual_seed(seed_of("plans", "changes"))
-    score_mod, gold_mod, caps, caps64, bm, _ = _mods(shape, "causal", "temperature", gen)
+    score_mod, gold_mod, caps, caps64, bm, _ = case_mods(shape, "causal", "temperature", gen)
     calls = [dict(), dict(layout="heads_inner"), dict(scale=0.3),
              dict(kernel_options=KernelOptions(deterministic=True)), dict()]
     expected = [1, 2, 3, 4, 4]  # the last call repeats the first: its plan
     for i, (kwargs, count) in enumerate(zip(calls, expected)):
-        _check_call(shape, torch.float32, gen, score_mod, gold_mod, caps, caps64, bm, f"call {i} {kwargs}",
+        check_call(shape, torch.float32, gen, score_mod, gold_mod, caps, caps64, bm, f"call {i} {kwargs}",
                     **kwargs)
         assert decided == {"forward": count, "backward": count}, (i, kwargs)
-    _check_call(shape, torch.bfloat16, gen, score_mod, gold_mod, caps, caps64, bm, "bf16")
+    check_call(shape, torch.bfloat16, gen, score_mod, gold_mod, caps, caps64, bm, "bf16")
     assert decided == {"forward": 5, "backward": 5}
 
 
@@ -128,8 +73,8 @@ def test_a_new_mask_decides_again(decided):
     shape = CPU_SHAPES[1]
     gen = torch.Generator().manual_seed(seed_of("plans", "masks"))
     for i, mod_name in enumerate(["causal", "prefix_lm", "causal"]):
-        score_mod, gold_mod, caps, caps64, bm, _ = _mods(shape, mod_name, None, gen)
-        _check_call(shape, torch.float32, gen, score_mod, gold_mod, caps, caps64, bm, mod_name)
+        score_mod, gold_mod, caps, caps64, bm, _ = case_mods(shape, mod_name, None, gen)
+        check_call(shape, torch.float32, gen, score_mod, gold_mod, caps, caps64, bm, mod_name)
         assert decided["forward"] == i + 1
 
 
@@ -139,9 +84,9 @@ def test_plans_of_host_descriptors(decided):
     opts = policy_options(forward={"tma": "on", "kv_rows": "on"})
     shape = Shape("kv_rows", B=2, Hq=2, Hkv=2, L=64, S=64, D=32, Dv=32, block=32)
     gen = torch.Generator().manual_seed(seed_of("plans", "kv_rows"))
-    score_mod, gold_mod, caps, caps64, bm, _ = _mods(shape, "causal", None, gen)
+    score_mod, gold_mod, caps, caps64, bm, _ = case_mods(shape, "causal", None, gen)
     for call in range(3):
-        _check_call(shape, torch.bfloat16, gen, score_mod, gold_mod, caps, caps64, bm, f"call {call}",
+        check_call(shape, torch.bfloat16, gen, score_mod, gold_mod, caps, caps64, bm, f"call {call}",
                     kernel_options=opts)
     assert decided == {"forward": 1, "backward": 1}
     plan, = (p for key, p in L._plans.items() if "forward" in key)
@@ -152,9 +97,9 @@ def test_plans_can_be_switched_off(decided):
     opts = policy_options(launch={"plans": False})
     shape = CPU_SHAPES[1]
     gen = torch.Generator().manual_seed(seed_of("plans", "off"))
-    score_mod, gold_mod, caps, caps64, bm, _ = _mods(shape, "causal", None, gen)
+    score_mod, gold_mod, caps, caps64, bm, _ = case_mods(shape, "causal", None, gen)
     for _ in range(2):
-        _check_call(shape, torch.float32, gen, score_mod, gold_mod, caps, caps64, bm, "off", kernel_options=opts)
+        check_call(shape, torch.float32, gen, score_mod, gold_mod, caps, caps64, bm, "off", kernel_options=opts)
     assert decided == {"forward": 2, "backward": 2}
     assert not L._plans
 
@@ -179,8 +124,8 @@ def test_plans_leave_with_their_mask():
 
     shape = CPU_SHAPES[1]
     gen = torch.Generator().manual_seed(seed_of("plans", "lifetime"))
-    score_mod, gold_mod, caps, caps64, bm, _ = _mods(shape, "causal", None, gen)
-    _check_call(shape, torch.float32, gen, score_mod, gold_mod, caps, caps64, bm, "first")
+    score_mod, gold_mod, caps, caps64, bm, _ = case_mods(shape, "causal", None, gen)
+    check_call(shape, torch.float32, gen, score_mod, gold_mod, caps, caps64, bm, "first")
     assert _plans("forward") == 1 and _plans("backward") == 1
     tables = weakref.ref(bm.kv_num_blocks)
     del bm
@@ -188,8 +133,8 @@ def test_plans_leave_with_their_mask():
     assert not L._plans
     assert tables() is None
     for i in range(3):  # new masks, possibly at recycled addresses: each decides anew and is right
-        score_mod, gold_mod, caps, caps64, bm, _ = _mods(shape, "prefix_lm" if i % 2 else "causal", None, gen)
-        _check_call(shape, torch.float32, gen, score_mod, gold_mod, caps, caps64, bm, f"mask {i}")
+        score_mod, gold_mod, caps, caps64, bm, _ = case_mods(shape, "prefix_lm" if i % 2 else "causal", None, gen)
+        check_call(shape, torch.float32, gen, score_mod, gold_mod, caps, caps64, bm, f"mask {i}")
         del bm
         gc.collect()
         assert not L._plans
@@ -215,7 +160,7 @@ def test_a_mod_over_new_tensors_reuses_its_plan(decided):
                 return score * b_[h]
             return head_scale
 
-        _check_call(shape, torch.float32, gen, factory(bias), factory(bias64), [bias], [bias64], bm,
+        check_call(shape, torch.float32, gen, factory(bias), factory(bias64), [bias], [bias64], bm,
                     f"step {step}")
     assert decided == {"forward": 1, "backward": 1}
     parts = [x for key in L._plans for x in key]

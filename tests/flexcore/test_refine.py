@@ -11,6 +11,7 @@ from flexcore.blockmask import refine_block_map
 from flexcore.kernels import forward as fwd
 from tests.flexcore.cases import Shape, make_case, make_mods
 from tests.flexcore.compare import assert_matches_reference, seed_of
+from tests.flexcore.helpers import backward_tables_spy, check_backward, forward_tables_spy
 from tests.flexcore.policies import policy_options
 
 DEVICE = "cpu"
@@ -55,34 +56,6 @@ def test_refined_map_gives_up_where_it_cannot_evaluate():
 REFINED = policy_options(forward={"refine": "on"})
 
 
-def backward_tables_spy(monkeypatch) -> list:
-    """(SPARSE_Q_BLOCK, SPARSE_KV_BLOCK) of each backward's tiles."""
-    from flexcore.kernels import backward as bwd
-
-    seen = []
-    real = bwd._tiles
-
-    def spy(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args):
-        seen.append((sparse_q, sparse_kv))
-        return real(opts, head_dim_pad, itemsize, sparse_q, sparse_kv, *args)
-
-    monkeypatch.setattr(bwd, "_tiles", spy)
-    return seen
-
-
-def forward_tables_spy(monkeypatch) -> list:
-    """(SPARSE_Q_BLOCK, SPARSE_KV_BLOCK) of each forward launch."""
-    seen = []
-    real = fwd.launch
-
-    def spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
-        seen.append((constexprs["SPARSE_Q_BLOCK"], constexprs["SPARSE_KV_BLOCK"]))
-        return real(kernel, grid, args, bm, bn, meta, constexprs, **kw)
-
-    monkeypatch.setattr(fwd, "launch", spy)
-    return seen
-
-
 @pytest.mark.parametrize("mod_name", ["causal", "document", "prefix_lm", "and_or", "alibi", "relative_table"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_forward_over_finer_tables_matches_reference(monkeypatch, mod_name, dtype):
@@ -97,7 +70,7 @@ def test_forward_over_finer_tables_matches_reference(monkeypatch, mod_name, dtyp
 
 
 def test_the_rule_takes_finer_tables_where_they_save_work(monkeypatch):
-    from flexcore.attention import _kv_blocks
+    from flexcore.attention import kv_blocks
     from flexcore.options import KernelOptions
 
     seen = forward_tables_spy(monkeypatch)
@@ -109,7 +82,7 @@ def test_the_rule_takes_finer_tables_where_they_save_work(monkeypatch):
     out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
     assert_matches_reference(q, k, v, None, bm, out, lse, "rule/documents")
     assert seen == [(64, 64)]
-    blocks = _kv_blocks(bm, 1, 2)
+    blocks = kv_blocks(bm, 1, 2)
     assert fwd.refined(blocks, q, k, v, _identity(), _lowered(documents), 0.1, KernelOptions()) is not blocks
     # Kernel options that pin a tile keep the mask's own tables.
     assert fwd.refined(blocks, q, k, v, _identity(), _lowered(documents), 0.1, KernelOptions(BLOCK_M=64)) is blocks
@@ -126,7 +99,7 @@ def test_the_rule_takes_finer_tables_where_they_save_work(monkeypatch):
         calls.clear()
         long_q = torch.empty(1, 2, S, 32)
         bm = create_block_mask(mask_mod, None, None, S, S, device=DEVICE)
-        blocks = _kv_blocks(bm, 1, 2)
+        blocks = kv_blocks(bm, 1, 2)
         chosen = fwd.refined(blocks, long_q, long_q, long_q, _identity(), _lowered(mask_mod), 0.1,
                              KernelOptions())
         assert len(calls) == evaluated, (name, S)
@@ -136,12 +109,12 @@ def test_the_rule_takes_finer_tables_where_they_save_work(monkeypatch):
 def test_forced_gluon_forward_keeps_the_masks_own_tables(monkeypatch):
     # By the rule, the Gluon masked forward yields to the finer tables where rows are skewed; forced
     # (the policy's gluon.masked "on"), it keeps the mask's own tables, which it can read.
-    from flexcore.attention import _kv_blocks
+    from flexcore.attention import kv_blocks
     from flexcore.kernels import hopper
 
     documents = _short_documents([700, 60, 60, 60, 60, 84])  # one long document: skewed rows
     bm = create_block_mask(documents, None, None, 1024, 1024, device=DEVICE)
-    blocks = _kv_blocks(bm, 1, 2)
+    blocks = kv_blocks(bm, 1, 2)
     q = torch.empty(1, 2, 1024, 32)
     monkeypatch.setattr(hopper, "applies_masked", lambda *a: True)
     for forced, kept in (("auto", False), ("on", True)):
@@ -155,13 +128,13 @@ def test_gluon_forward_at_head_dim_64_yields_to_the_finer_tables(monkeypatch, D,
     # Rows alike (documents of 96 tokens): at head dim 128 the Gluon masked forward keeps the mask's
     # own tables; at head dim 64 (three warpgroups, gluon.union_yields) the template over the finer
     # tables takes the call, unless the Gluon kernel is forced.
-    from flexcore.attention import _kv_blocks
+    from flexcore.attention import kv_blocks
     from flexcore.kernels import hopper
     from flexcore.options import KernelOptions
 
     documents = _short_documents([96] * 10 + [64])
     bm = create_block_mask(documents, None, None, 1024, 1024, device=DEVICE)
-    blocks = _kv_blocks(bm, 1, 2)
+    blocks = kv_blocks(bm, 1, 2)
     q = torch.empty(1, 2, 1024, D)
     monkeypatch.setattr(hopper, "applies_masked", lambda *a: True)
     chosen = fwd.refined(blocks, q, q, q, _identity(), _lowered(documents), 0.1, KernelOptions())
@@ -211,10 +184,10 @@ def test_finer_tables_follow_the_captured_tensors(monkeypatch, decided):
 
 def test_finer_tables_inside_a_graph_capture(monkeypatch):
     # A capture cannot read back: it gets the finer tables only where a call outside computed them.
-    from flexcore.attention import _kv_blocks
+    from flexcore.attention import kv_blocks
 
     bm = create_block_mask(_short_documents([100, 300, 180]), None, None, 512, 512, device=DEVICE)
-    blocks = _kv_blocks(bm, 1, 2)
+    blocks = kv_blocks(bm, 1, 2)
     captured = _lowered(bm.mask_mod).captured
     assert blocks.refine(captured, False) is None
     fine, transposed, ratio = blocks.refine(captured, True)
@@ -227,10 +200,10 @@ def test_finer_tables_leave_with_their_mask():
     import gc
     import weakref
 
-    from flexcore.attention import _kv_blocks
+    from flexcore.attention import kv_blocks
 
     bm = create_block_mask(_short_documents([100, 300, 180]), None, None, 512, 512, device=DEVICE)
-    blocks = _kv_blocks(bm, 1, 2)
+    blocks = kv_blocks(bm, 1, 2)
     fine, transposed, _ = blocks.refine(_lowered(bm.mask_mod).captured, True)
     tables = weakref.ref(fine.indices), weakref.ref(transposed.indices)
     del bm, blocks, fine, transposed
@@ -254,7 +227,6 @@ def test_finer_tables_with_longest_first_order(monkeypatch, mod_name):
 def test_backward_over_finer_tables_matches_reference(monkeypatch, mod_name, learnable, dtype):
     # Both kinds of backward program read the finer tables (dQ the key-block ones, dK/dV their
     # transpose), with the forward's; every gradient against float64.
-    from tests.flexcore.test_backward import check_backward
 
     seen = backward_tables_spy(monkeypatch)
     check_backward(RAGGED, mod_name, dtype, seed_of("refined", "bwd", mod_name, learnable, str(dtype)),

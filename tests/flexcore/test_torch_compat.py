@@ -21,13 +21,8 @@ from flexcore.interop import _converted, coerce_block_mask, is_torch_block_mask
 from flexcore.masks import MaskModTypeError, and_masks, noop_mask, or_masks
 from flexcore.options import KernelOptions, KernelOptionsConflict
 from tests.flexcore.compare import assert_matches_reference, rel_err, seed_of
+from tests.flexcore.helpers import TABLES, causal
 
-TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-          "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")
-
-
-def causal(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx
 
 
 def generate_document(doc):
