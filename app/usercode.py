@@ -205,10 +205,12 @@ def execute(code: str, shape: dict) -> dict[str, Any]:
 
 def mods_of(namespace: Mapping[str, Any], shape: dict) -> Mods:
     """The mods a run of the code defined: its ``score_mod`` / ``mask_mod``, with its top-level
-    tensors as the captured tensors.
+    tensors as the captured tensors, and its optional ``sinks`` ((H,) attention-sink logits) as
+    ``Mods.sinks``.
 
     Raises:
-        UserCodeError: neither mod is defined, or one is not a function.
+        UserCodeError: neither mod is defined, one is not a function, or ``sinks`` is not an (H,)
+            floating-point tensor.
     """
     import torch
 
@@ -224,11 +226,34 @@ def mods_of(namespace: Mapping[str, Any], shape: dict) -> Mods:
                 "signature", f"{name} is not a function",
                 f"{name} is a {type(fn).__name__}; define it with def {name}(...) or assign a "
                 "callable to it."))
+    sinks = _sinks_of(namespace.get("sinks"), shape)
+    # sinks is flex_attention's own argument, not a tensor the mods read.
     captured = {k: v for k, v in namespace.items()
-                if isinstance(v, torch.Tensor) and not k.startswith("_")}
+                if isinstance(v, torch.Tensor) and not k.startswith("_") and k != "sinks"}
     return Mods(score_mod, mask_mod, captured,
                 Shape(shape["B"], shape["Hq"], shape["Q_LEN"], shape["KV_LEN"],
-                      torch.device(shape.get("device", "cpu"))))
+                      torch.device(shape.get("device", "cpu"))), sinks=sinks)
+
+
+def _sinks_of(sinks: Any, shape: dict):
+    """The code's optional ``sinks`` (attention-sink logits for ``flex_attention(..., sinks=)``),
+    moved to the shape's device; raises UserCodeError unless it is None or an (H,) float tensor."""
+    import torch
+
+    if sinks is None:
+        return None
+    H = shape["Hq"]
+    expected = (f"sinks must be a floating-point torch.Tensor of shape ({H},): one attention-sink "
+                f"logit per query head (H = {H}), e.g. sinks = torch.zeros(H, requires_grad=True)")
+    if not isinstance(sinks, torch.Tensor):
+        raise UserCodeError(CodeProblem("shape", "sinks is not a tensor",
+                                        f"sinks is a {type(sinks).__name__}; {expected}."))
+    if tuple(sinks.shape) != (H,) or not sinks.is_floating_point():
+        raise UserCodeError(CodeProblem(
+            "shape", "sinks has the wrong shape or dtype",
+            f"sinks has shape {tuple(sinks.shape)} and dtype {sinks.dtype}; {expected}."))
+    device = torch.device(shape.get("device", "cpu"))
+    return sinks if sinks.device == device else sinks.to(device)
 
 
 def run_code(code: str, shape: dict) -> Mods:

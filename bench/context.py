@@ -1,6 +1,7 @@
 """One setup factory per case: inputs, mods, masks and the float64 golden that every provider shares."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -70,8 +71,13 @@ class CaseContext:
 
     @property
     def learnable_named(self) -> list[tuple[str, torch.Tensor]]:
-        """(name, tensor) of captured tensors that require grad: their gradients are compared."""
-        return list(self.mods.learnable.items())
+        """(name, tensor) of captured tensors that require grad, and the attention sinks ("sinks")
+        when they require grad: their gradients are compared."""
+        named = list(self.mods.learnable.items())
+        sinks = self.mods.sinks
+        if sinks is not None and sinks.requires_grad and all(t is not sinks for _, t in named):
+            named.append(("sinks", sinks))
+        return named
 
     @property
     def learnable(self) -> list[torch.Tensor]:
@@ -208,7 +214,11 @@ class CaseContext:
         return ";".join(f"b{s.b}/h{s.h0}:{s.h0 + s.nq}" for s in slices)
 
     def slice_mods(self, s: Slice) -> Mods:
-        return offset_indices(self.mods, b0=s.b, h0=s.h0)
+        """The mods of a slice: indices offset to the slice, and the slice's query heads' sinks."""
+        mods = offset_indices(self.mods, b0=s.b, h0=s.h0)
+        if mods.sinks is not None:
+            mods = dataclasses.replace(mods, sinks=mods.sinks[s.h0:s.h0 + s.nq])
+        return mods
 
     def slice_tensors(self, s: Slice, q, k, v):
         return s.q_part(q), s.kv_part(k), s.kv_part(v)
@@ -265,7 +275,8 @@ class CaseContext:
                     q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
                 out = flex_attention_reference(q, k, v, score_mod=mods.score_mod,
                                                block_mask=self.slice_block_mask(s, mods),
-                                               enable_gqa=s.nq != s.nkv, upcast=upcast)
+                                               enable_gqa=s.nq != s.nkv, upcast=upcast,
+                                               sinks=mods.sinks)
                 if self.needs_grad:
                     g = s.q_part(dout).to(out.dtype)
                     grads = torch.autograd.grad(out, [q, k, v, *learnable], g, allow_unused=True)

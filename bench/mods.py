@@ -161,27 +161,29 @@ def _nargs(fn) -> int | None:
         return None
 
 
-def _as_mods(obj, what: str) -> tuple[Callable | None, Callable | None, list | None]:
-    """Read (score_mod, mask_mod, captured tensors or None) out of what a variant factory returned.
+def _as_mods(obj, what: str) -> tuple[Callable | None, Callable | None, list | None, object]:
+    """Read (score_mod, mask_mod, captured tensors or None, sinks or None) out of what a variant
+    factory returned.
 
     Registry variants return :class:`Mods` (with ``captured``); mod files may return a Mods, a
     pair, a dict or a single mod function.
     """
     if obj is None:
-        return None, None, None
+        return None, None, None, None
     if isinstance(obj, (tuple, list)) and len(obj) == 2:
-        return obj[0], obj[1], None
+        return obj[0], obj[1], None, None
     if isinstance(obj, dict) and ({"score_mod", "mask_mod"} & set(obj)):
-        return obj.get("score_mod"), obj.get("mask_mod"), _captured_list(obj.get("captured"))
+        return (obj.get("score_mod"), obj.get("mask_mod"), _captured_list(obj.get("captured")),
+                obj.get("sinks"))
     if hasattr(obj, "score_mod") or hasattr(obj, "mask_mod"):
         return (getattr(obj, "score_mod", None), getattr(obj, "mask_mod", None),
-                _captured_list(getattr(obj, "captured", None)))
+                _captured_list(getattr(obj, "captured", None)), getattr(obj, "sinks", None))
     if callable(obj):
         n = _nargs(obj)
         if n == 5:
-            return obj, None, None
+            return obj, None, None, None
         if n == 4:
-            return None, obj, None
+            return None, obj, None, None
     raise VariantError(f"{what} returned {type(obj).__name__}; expected (score_mod, mask_mod), an "
                        "object with .score_mod/.mask_mod, or a mod function")
 
@@ -218,7 +220,7 @@ def _load_file(path_text: str):
 def _resolve_term(term: Term, context: dict, device, dtype):
     params = {k: eval_param(v, context) for k, v in term.params}
     if term.name == "noop" and not params:
-        return None, None, None
+        return None, None, None, None
     if term.is_file:
         path, _, attr = term.name.partition(":")
         module = _load_file(path)
@@ -234,7 +236,7 @@ def _resolve_term(term: Term, context: dict, device, dtype):
             score, mask = getattr(obj, "score_mod", None), getattr(obj, "mask_mod", None)
             if score is None and mask is None:
                 raise VariantError(f"mod file {path!r} defines neither score_mod, mask_mod nor make()")
-            return score, mask, None
+            return score, mask, None, None
         return _as_mods(obj, term.name)
     variant = _registry_variant(term.name)
     make = getattr(variant, "make", None)
@@ -315,9 +317,13 @@ def resolve(spec: str, *, B: int, H: int, KV_HEADS: int, Q_LEN: int, KV_LEN: int
     from flexcore.masks import and_masks
 
     context = shape_context(B, H, KV_HEADS, Q_LEN, KV_LEN, D)
-    scores, masks, captured = [], [], []
+    scores, masks, captured, sinks = [], [], [], None
     for term in split_terms(spec):
-        score, mask, cap = _resolve_term(term, context, device, dtype)
+        score, mask, cap, term_sinks = _resolve_term(term, context, device, dtype)
+        if term_sinks is not None:
+            if sinks is not None:
+                raise VariantError(f"only one term of a spec may set sinks; {term.name!r} sets them again")
+            sinks = term_sinks
         if cap is None:
             cap = [(f"cap{i}", t) for i, t in enumerate(captured_tensors(score, mask))]
         captured += cap
@@ -339,7 +345,8 @@ def resolve(spec: str, *, B: int, H: int, KV_HEADS: int, Q_LEN: int, KV_LEN: int
         while name in unique:
             name += "_"
         unique[name] = t
-    return Mods(score_mod, mask_mod, unique, Shape(B, H, Q_LEN, KV_LEN, torch.device(device)))
+    return Mods(score_mod, mask_mod, unique, Shape(B, H, Q_LEN, KV_LEN, torch.device(device)),
+                sinks=sinks)
 
 
 def _compose(score_mods: list[Callable]) -> Callable:

@@ -71,6 +71,46 @@ def _block_mask_bytes(bm) -> int:
     return _tensor_bytes(*(getattr(bm, n, None) for n in names))
 
 
+def _sinks_note(ctx: CaseContext, how: str) -> str:
+    """The rows' note on how the case's attention sinks were applied ("" without sinks)."""
+    return "" if ctx.mods.sinks is None else f"sinks applied by {how}"
+
+
+def refuse_sinks(ctx: CaseContext, what: str) -> None:
+    """Raise :class:`Unsupported` when the case has attention sinks, which ``what`` cannot apply."""
+    if ctx.mods.sinks is not None:
+        raise Unsupported(f"{what} has no attention sinks (the variant passes sinks= of shape "
+                          f"{tuple(ctx.mods.sinks.shape)}); only flex_attention providers apply them")
+
+
+#: How torch flex_attention providers apply a case's sinks (torch's flex_attention takes none).
+TORCH_SINKS_NOTE = "sinks applied after the call by LSE renormalisation"
+
+
+def renormalise_with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The output of attention with ``sinks`` from torch flex_attention's (out, lse) without them:
+    ``out · exp(lse - logaddexp(lse, sink[h]))``, the renormalisation users of torch's
+    flex_attention write. Computed in float32 (float64 for float64 outputs), cast back once."""
+    dtype = torch.promote_types(out.dtype, torch.float32)
+    lse = lse.to(dtype)
+    sink = sinks.to(dtype).view(1, -1, 1)
+    return (out.to(dtype) * torch.exp(lse - torch.logaddexp(lse, sink)).unsqueeze(-1)).to(out.dtype)
+
+
+def flex_attention_with_sinks(q, k, v, sinks, *, flex_attention=None, **kwargs) -> torch.Tensor:
+    """torch's flex_attention (or ``flex_attention``, a function of the same signature) with
+    ``sinks`` applied by :func:`renormalise_with_sinks` to the call's own (out, lse)."""
+    from torch.nn.attention import flex_attention as fa
+
+    fn = flex_attention or fa.flex_attention
+    if hasattr(fa, "AuxRequest"):
+        out, aux = fn(q, k, v, return_aux=fa.AuxRequest(lse=True), **kwargs)
+        lse = aux.lse
+    else:
+        out, lse = fn(q, k, v, return_lse=True, **kwargs)
+    return renormalise_with_sinks(out, lse, sinks)
+
+
 # ---- flexlab ---------------------------------------------------------------------------------
 
 
@@ -96,13 +136,16 @@ class FlexlabProvider(Provider):
         from flexcore import flex_attention
 
         bm = ctx.flex_block_mask()
-        score_mod = ctx.mods.score_mod
+        score_mod, sinks = ctx.mods.score_mod, ctx.mods.sinks
         gqa = ctx.case.gqa
 
         def call(q, k, v):
-            return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa)
+            return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
+                                  sinks=sinks)
 
-        return Prepared(call, _block_mask_bytes(bm), "flexcore BlockMask" if bm is not None else "")
+        note = "; ".join(filter(None, ["flexcore BlockMask" if bm is not None else "",
+                                       _sinks_note(ctx, "flex_attention(..., sinks=)")]))
+        return Prepared(call, _block_mask_bytes(bm), note)
 
 
 class FlexlabCompiledProvider(Provider):
@@ -120,13 +163,13 @@ class FlexlabCompiledProvider(Provider):
         import flexcore
 
         bm = ctx.flex_block_mask()
-        score_mod = ctx.mods.score_mod
+        score_mod, sinks = ctx.mods.score_mod, ctx.mods.sinks
         gqa = ctx.case.gqa
         backend = ctx.settings.compile_backend
         raise_recompile_limits()
         compiled = torch.compile(
             lambda q, k, v: flexcore.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
-                                                    enable_gqa=gqa),
+                                                    enable_gqa=gqa, sinks=sinks),
             fullgraph=True, dynamic=False, backend=backend)
 
         def call(q, k, v):
@@ -138,8 +181,10 @@ class FlexlabCompiledProvider(Provider):
                 raise CompileFailed(f"torch.compile(fullgraph=True, backend={backend}) of "
                                     f"flexcore.flex_attention failed: {compile_failure_text(exc)}") from exc
 
-        note = f"torch.compile(fullgraph=True, backend={backend})"
-        return Prepared(call, _block_mask_bytes(bm), note + ("; flexcore BlockMask" if bm is not None else ""))
+        note = "; ".join(filter(None, [f"torch.compile(fullgraph=True, backend={backend})",
+                                       "flexcore BlockMask" if bm is not None else "",
+                                       _sinks_note(ctx, "flex_attention(..., sinks=)")]))
+        return Prepared(call, _block_mask_bytes(bm), note)
 
 
 class FlexlabPagedProvider(Provider):
@@ -188,15 +233,18 @@ class FlexlabPagedProvider(Provider):
                                         BLOCK_SIZE=page)
         physical = paged.convert_logical_block_mask(logical, batch_idx=batch_idx)
         score_mod = paged.get_score_mod(ctx.mods.score_mod)
+        sinks = ctx.mods.sinks
         gqa = c.gqa
 
         def call(q, k, v):
             k_cache, v_cache = caches[id(k)]
             return flex_attention(q, k_cache, v_cache, score_mod=score_mod, block_mask=physical,
-                                  enable_gqa=gqa)
+                                  enable_gqa=gqa, sinks=sinks)
 
         held = _block_mask_bytes(physical) + sum(_tensor_bytes(*kv) for kv in caches.values())
-        return Prepared(call, held, f"{n_pages} pages of {page} tokens, reserved in 4 interleaved rounds")
+        note = "; ".join(filter(None, [f"{n_pages} pages of {page} tokens, reserved in 4 interleaved rounds",
+                                       _sinks_note(ctx, "flex_attention(..., sinks=)")]))
+        return Prepared(call, held, note)
 
 
 # ---- torch flex_attention (compiled) ----------------------------------------------------------
@@ -222,6 +270,14 @@ def _compiled_flex():
 
     raise_recompile_limits()
     return torch.compile(flex_attention, dynamic=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_flex_sinks():
+    """torch's flex_attention and the sinks' renormalisation in one compiled function, as a
+    compiled model runs them."""
+    raise_recompile_limits()
+    return torch.compile(flex_attention_with_sinks, dynamic=False)
 
 
 class CompileFailed(RuntimeError):
@@ -369,14 +425,22 @@ class TorchFlexProvider(Provider):
             bm = create_block_mask(ctx.mods.mask_mod, mb if mb > 1 else None, mh if mh > 1 else None,
                                    c.q_len, c.kv_len, device=ctx.device,
                                    BLOCK_SIZE=ctx.settings.block_size)
-        compiled = _compiled_flex()
+        sinks = ctx.mods.sinks
+        if sinks is None:
+            compiled = _compiled_flex()
+        else:
+            with_sinks = _compiled_flex_sinks()
+
+            def compiled(q, k, v, **kwargs):
+                return with_sinks(q, k, v, sinks, **kwargs)
         score_mod, gqa = ctx.mods.score_mod, c.gqa
         # torch's default tiles can exceed shared memory for a mod with many live values (its
         # compile then fails with "out of resource"); retry as a user would, with the smaller
         # kernel_options below, and say so in the rows' note.
         fallbacks = [dict(self.kernel_options or {}, **extra)
                      for extra in ({}, {"num_stages": 2}, {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 2})]
-        prepared = Prepared(None, _block_mask_bytes(bm), "torch BlockMask" if bm is not None else "")
+        prepared = Prepared(None, _block_mask_bytes(bm), "; ".join(filter(None, [
+            "torch BlockMask" if bm is not None else "", TORCH_SINKS_NOTE if sinks is not None else ""])))
 
         def call(q, k, v):
             while True:
@@ -493,6 +557,7 @@ class SDPAProvider(Provider):
             raise Unsupported(str(exc)) from None
 
     def prepare(self, ctx):
+        refuse_sinks(ctx, f"SDPA {self.backend.lower()}")
         mask, is_causal, note = self._express(ctx)
         backend = _sdpa_backend(self.backend)
         gqa = ctx.case.gqa
@@ -554,6 +619,8 @@ def sdpa_reference(ctx: CaseContext, q, k, v, mods, grad: bool = False):
     """
     from torch.nn.attention import SDPBackend
 
+    if mods.sinks is not None:
+        raise dense.NotExpressible("SDPA math has no attention sinks")
     c = ctx.case
     nb, nq = q.shape[0], q.shape[1]
     trivial = ctx.score_is_trivial()
@@ -621,6 +688,7 @@ class FlashAttnProvider(Provider):
         of compute capability ``major`` (None: no CUDA GPU), or raise :class:`Unsupported` with the
         reason."""
         c = ctx.case
+        refuse_sinks(ctx, f"{self.title}'s flash_attn_func as this provider calls it")
         if c.dtype not in ("bfloat16", "float16"):
             raise Unsupported(f"{self.title} takes float16/bfloat16, not {c.dtype}")
         shape = ctx.mask_shape()
@@ -695,6 +763,7 @@ class FlashAttn4Provider(FlashAttnProvider):
 
     def arguments(self, ctx, label, major):
         c = ctx.case
+        refuse_sinks(ctx, f"{self.title}'s flash_attn_func as this provider calls it (no learnable_sink)")
         reason = fa4_input_reason(c.dtype, c.head_dim, c.v_head_dim, major)
         if reason is not None:
             raise Unsupported(reason)

@@ -162,7 +162,7 @@ class TrainStepRunner(CaseRunner):
 
         def attention(q, k, v):
             return flex_attention_reference(q, k, v, score_mod=mods.score_mod, block_mask=bm,
-                                            enable_gqa=gqa, upcast=upcast)
+                                            enable_gqa=gqa, upcast=upcast, sinks=mods.sinks)
 
         return attention
 
@@ -211,14 +211,15 @@ class TrainStepRunner(CaseRunner):
     def _attention(self, name: str):
         """(attention call, fullgraph, note) of a train-step provider."""
         ctx, c = self.ctx, self.case
-        score_mod, gqa = ctx.mods.score_mod, c.gqa
+        score_mod, gqa, sinks = ctx.mods.score_mod, c.gqa, ctx.mods.sinks
         if name in ("flexlab", "flexlab_compiled"):
             from flexcore import flex_attention
 
             bm = ctx.flex_block_mask()
 
             def attention(q, k, v):
-                return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa)
+                return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
+                                      sinks=sinks)
 
             if name == "flexlab":
                 return (torch.compiler.disable(attention), False,
@@ -234,9 +235,13 @@ class TrainStepRunner(CaseRunner):
                                    BLOCK_SIZE=self.grid.settings.block_size)
 
         def attention(q, k, v):
-            return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa)
+            if sinks is None:
+                return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa)
+            return prov.flex_attention_with_sinks(q, k, v, sinks, score_mod=score_mod,
+                                                  block_mask=bm, enable_gqa=gqa)
 
-        return attention, True, "torch flex_attention inside the block's graph (fullgraph=True)"
+        note = "torch flex_attention inside the block's graph (fullgraph=True)"
+        return attention, True, note + (f"; {prov.TORCH_SINKS_NOTE}" if sinks is not None else "")
 
     def _run_provider(self, name: str):
         c, s = self.case, self.grid.settings

@@ -45,15 +45,17 @@ def check(code: str, shape: dict, seed: int, dtypes: list[str], b: int, h: int) 
     mods = mods_for(code, shape, seed)
     bm = block_mask_of(mods, shape)
     gqa = shape["Hq"] != shape["Hkv"]
+    sinks = mods.sinks
     rows, heatmaps = [], {}
     for i, dtype in enumerate(dtypes):
         q, k, v = inputs(shape, dtype, seed + i)
         with torch.no_grad():
             golden = flex_attention_reference(q, k, v, score_mod=mods.score_mod, block_mask=bm,
-                                              enable_gqa=gqa)
+                                              enable_gqa=gqa, sinks=sinks)
             baseline = flex_attention_reference(q, k, v, score_mod=mods.score_mod, block_mask=bm,
-                                                enable_gqa=gqa, upcast=False)
-            out = flex_attention(q, k, v, score_mod=mods.score_mod, block_mask=bm, enable_gqa=gqa)
+                                                enable_gqa=gqa, upcast=False, sinks=sinks)
+            out = flex_attention(q, k, v, score_mod=mods.score_mod, block_mask=bm, enable_gqa=gqa,
+                                 sinks=sinks)
         res = tolerance_check(out, golden, baseline)
         rows.append({"dtype": dtype, "max_abs": res.errors["max_abs"],
                      "mean_abs": res.errors["mean_abs"], "rel_fro": res.errors["rel_fro"],
@@ -62,6 +64,16 @@ def check(code: str, shape: dict, seed: int, dtypes: list[str], b: int, h: int) 
         err = (out[b, h].double() - golden[b, h]).abs().cpu().numpy()
         heatmaps[dtype] = pool(err)[0]
     return {"rows": rows, "heatmaps": heatmaps}
+
+
+def learnable_of(mods) -> dict:
+    """The tensors whose gradients are compared, by name: the learnable captured tensors, and the
+    attention sinks ("sinks") when they require grad."""
+    learnable = dict(mods.learnable)
+    sinks = mods.sinks
+    if sinks is not None and sinks.requires_grad and all(t is not sinks for t in learnable.values()):
+        learnable["sinks"] = sinks
+    return learnable
 
 
 @contextlib.contextmanager
@@ -90,7 +102,8 @@ def gradients(code: str, shape: dict, seed: int, dtype: str) -> dict:
         "notes": [str]}``.
     """
     mods = mods_for(code, shape, seed)
-    learnable = mods.learnable
+    learnable = learnable_of(mods)
+    sinks = mods.sinks
     bm = block_mask_of(mods, shape)
     gqa = shape["Hq"] != shape["Hkv"]
     notes: list[str] = []
@@ -109,13 +122,14 @@ def gradients(code: str, shape: dict, seed: int, dtype: str) -> dict:
 
     with upcast_learnable(learnable):
         golden = grads_of(lambda q, k, v: flex_attention_reference(
-            q, k, v, score_mod=mods.score_mod, block_mask=bm, enable_gqa=gqa), True)
+            q, k, v, score_mod=mods.score_mod, block_mask=bm, enable_gqa=gqa, sinks=sinks), True)
     baseline_name = f"eager reference ({dtype})"
     candidates: dict[str, Callable] = {
         baseline_name: lambda q, k, v: flex_attention_reference(
-            q, k, v, score_mod=mods.score_mod, block_mask=bm, enable_gqa=gqa, upcast=False),
+            q, k, v, score_mod=mods.score_mod, block_mask=bm, enable_gqa=gqa, upcast=False,
+            sinks=sinks),
         "flexcore": lambda q, k, v: flex_attention(q, k, v, score_mod=mods.score_mod,
-                                                   block_mask=bm, enable_gqa=gqa),
+                                                   block_mask=bm, enable_gqa=gqa, sinks=sinks),
     }
     candidates.update(_provider_grad_calls(mods, shape, seed, dtype, notes))
     eps = DEFAULT_EPS.get(getattr(torch, dtype), 1e-5)
@@ -192,7 +206,8 @@ def output_difference(code_a: str, code_b: str, shape: dict, seed: int, b: int, 
         mods = mods_for(code, shape, seed)
         with torch.no_grad():
             outs.append(flex_attention(q, k, v, score_mod=mods.score_mod,
-                                       block_mask=block_mask_of(mods, shape), enable_gqa=gqa))
+                                       block_mask=block_mask_of(mods, shape), enable_gqa=gqa,
+                                       sinks=mods.sinks))
     metrics = error_metrics(outs[0], outs[1])
     diff = (outs[0][b, h].double() - outs[1][b, h].double()).abs().cpu().numpy()
     return {**metrics, "heatmap": pool(diff)[0]}
