@@ -287,21 +287,20 @@ def _comm_only(strategy, k, v, world, rank):
 def _compute_only(mask, q, k, v, dout):
     """This rank's attention calls, each source's shard replaced by local data, merged by lse."""
     from flexcore import AuxRequest, flex_attention
+    from flexcore.distributed import merge_by_lse
 
     qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
 
     def step():
-        outs, lses = [], []
+        parts = []
         for bm in mask.sources:
             if bm is not None:
                 out, aux = flex_attention(qq, kk, vv, block_mask=bm, return_aux=AuxRequest(lse=True))
-                outs.append(out.float())
-                lses.append(aux.lse)
-        if not outs:
+                parts.append((out, aux.lse))
+        if not parts:
             return
-        lse = torch.logsumexp(torch.stack(lses), 0)
-        merged = sum(torch.exp(l - lse).unsqueeze(-1) * o for o, l in zip(outs, lses))
-        merged.to(q.dtype).backward(dout)
+        merged, _ = merge_by_lse(parts, q.dtype)
+        merged.backward(dout)
     return step
 
 

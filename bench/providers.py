@@ -87,19 +87,12 @@ def refuse_sinks(ctx: CaseContext, what: str) -> None:
 TORCH_SINKS_NOTE = "sinks applied after the call by LSE renormalisation"
 
 
-def renormalise_with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """The output of attention with ``sinks`` from torch flex_attention's (out, lse) without them:
-    ``out · exp(lse - logaddexp(lse, sink[h]))``, the renormalisation users of torch's
-    flex_attention write. Computed in float32 (float64 for float64 outputs), cast back once."""
-    dtype = torch.promote_types(out.dtype, torch.float32)
-    lse = lse.to(dtype)
-    sink = sinks.to(dtype).view(1, -1, 1)
-    return (out.to(dtype) * torch.exp(lse - torch.logaddexp(lse, sink)).unsqueeze(-1)).to(out.dtype)
-
-
 def flex_attention_with_sinks(q, k, v, sinks, *, flex_attention=None, **kwargs) -> torch.Tensor:
     """torch's flex_attention (or ``flex_attention``, a function of the same signature) with
-    ``sinks`` applied by :func:`renormalise_with_sinks` to the call's own (out, lse)."""
+    ``sinks`` applied to the call's own (out, lse) by the LSE renormalisation that users of torch's
+    flex_attention write, ``out · exp(lse - logaddexp(lse, sink[h]))`` (flexcore.sinks.apply_sinks)."""
+    from flexcore.sinks import apply_sinks
+
     from torch.nn.attention import flex_attention as fa
 
     fn = flex_attention or fa.flex_attention
@@ -108,7 +101,7 @@ def flex_attention_with_sinks(q, k, v, sinks, *, flex_attention=None, **kwargs) 
         lse = aux.lse
     else:
         out, lse = fn(q, k, v, return_lse=True, **kwargs)
-    return renormalise_with_sinks(out, lse, sinks)
+    return apply_sinks(out, lse, sinks)[0]
 
 
 # ---- flexlab ---------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["flex_attention", "create_block_mask_for_rank", "ContextParallelMask", "shard_sequence",
-           "unshard_sequence", "shard_positions", "ContextParallelError", "SHARDINGS", "STRATEGIES"]
+           "unshard_sequence", "shard_positions", "merge_by_lse", "ContextParallelError", "SHARDINGS",
+           "STRATEGIES"]
 
 #: zigzag: rank r holds chunks r and 2W-1-r of 2W equal chunks (balances causal work);
 #: contiguous: rank r holds chunk r of W.
@@ -483,7 +484,7 @@ def _rebind(fn, replace: dict, memo: dict):
 # ---- merging partial results --------------------------------------------------------------------
 
 
-def _merge(parts: list[tuple[Tensor, Tensor]], out_dtype) -> tuple[Tensor, Tensor]:
+def merge_by_lse(parts: list[tuple[Tensor, Tensor]], out_dtype) -> tuple[Tensor, Tensor]:
     """Combine attention over disjoint key sets from (out_i, lse_i): weights exp(lse_i - lse).
     Rows no part attends to give 0 and lse -inf (as flexcore does), with finite gradients."""
     if len(parts) == 1:
@@ -815,7 +816,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
     run = _allgather if strategy == "allgather" else _ring
     parts, tied, token = run(bound, mask, query, key, value, group, token)
     if parts:
-        out, lse = _merge(parts, query.dtype)
+        out, lse = merge_by_lse(parts, query.dtype)
     else:  # this rank's rows attend nowhere
         B, Hq, L = query.shape[:3]
         out = query.new_zeros((B, Hq, L, value.shape[-1]))
