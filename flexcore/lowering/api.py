@@ -40,6 +40,8 @@ class LoweredMod:
             evaluation read it.
         cap_names: the user's name for each captured tensor (``"bias"``, ``"self.table"``), or
             None where none was found, in ``captured`` order.
+        fast_math: lowered with the GPU's approximate transcendentals (16-bit inputs); the
+            backward lowers the mod's gradient the same way (see ``flexcore.lowering.vjp``).
     """
 
     kind: str
@@ -52,6 +54,7 @@ class LoweredMod:
     mod_name: str = ""
     graph: object = field(default=None, repr=False)
     cap_names: tuple = ()
+    fast_math: bool = False
 
     def kernel_args(self) -> list:
         """``[t0, *t0.stride(), t1, *t1.stride(), ...]``, matching ``cap_params``."""
@@ -63,11 +66,11 @@ class LoweredMod:
 
 
 def _make(kind: str, source: str, cap_params, captured, trivial: bool, name: str, graph=None,
-          cap_names=()) -> LoweredMod:
+          cap_names=(), fast_math: bool = False) -> LoweredMod:
     fn_name = "score_mod_fn" if kind == "score" else "mask_mod_fn"
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
     return LoweredMod(kind, fn_name, source, tuple(cap_params), tuple(captured), key, trivial, name,
-                      graph, tuple(cap_names))
+                      graph, tuple(cap_names), fast_math)
 
 
 _TRIVIAL = {
@@ -105,7 +108,7 @@ def lower_mod(fn, kind: str, score_dtype: torch.dtype = torch.float32, fast_math
     gm = trace_mod(fn, kind, score_dtype)
     source, cap_params, captured, trivial = generate(gm, kind, mod_name(fn), score_dtype, fast_math)
     lowered = _make(kind, source, cap_params, captured, trivial, mod_name(fn),
-                    None if trivial else gm, capture_names(fn, captured))
+                    None if trivial else gm, capture_names(fn, captured), fast_math)
     if guard is not None:
         _cache.put(cache_key, (lowered, guard[1]))
         _fast.put(fn, variant, guard, lowered)

@@ -67,6 +67,7 @@ class ModCodegen(ShapeOps):
         self.name = name
         self.prefix = "sm" if kind == "score" else "mm"
         self.lines: list[str] = []
+        self._emitted: dict[str, str] = {}  # expression -> the name holding it
         self.env: dict[Node, object] = {}
         self.captured: list[torch.Tensor] = []
         self._cap_ids: dict[int, int] = {}
@@ -81,8 +82,12 @@ class ModCodegen(ShapeOps):
         return f"v{self._counter}"
 
     def _emit(self, expr: str) -> str:
-        name = self._fresh()
-        self.lines.append(f"    {name} = {expr}")
+        # Common subexpressions are emitted once: every expression is pure (loads read captured
+        # tensors, which the function never writes) and every name is assigned once.
+        name = self._emitted.get(expr)
+        if name is None:
+            name = self._emitted[expr] = self._fresh()
+            self.lines.append(f"    {name} = {expr}")
         return name
 
     def _loc(self, node: Node | None):

@@ -66,7 +66,10 @@ def _plan(fn, kind: str) -> str:
     from flexcore.lowering.api import lower_mod
 
     try:
-        plan = "broadcast" if broadcast_safe(lower_mod(fn, kind)) else "vmap"
+        # No autograd record of the tracing: a first call inside torch.utils.checkpoint would
+        # otherwise save tensors that its recomputation (with the plan known) does not.
+        with torch.no_grad():
+            plan = "broadcast" if broadcast_safe(lower_mod(fn, kind)) else "vmap"
     except Exception:  # noqa: BLE001 - not lowerable: torch's own (vmap) semantics
         plan = "vmap"
     _plans.put(fn, kind, guard_key(fn), plan)

@@ -111,16 +111,47 @@ class _TraceError(Exception):
         self.error = error
 
 
+class _OtherDevice(Exception):
+    """A captured tensor lives on another device than the stand-ins: trace again on it."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(f"captured tensor on {device}")
+        self.device = device
+
+
+def _captured_device(args, kwargs) -> torch.device | None:
+    """The device of the first captured (real, not fake) tensor off the CPU among an op's
+    arguments, or None."""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type != "cpu" and not is_fake(leaf):
+            return leaf.device
+    return None
+
+
 class _LoweringMode(TorchFunctionMode):
     """Rewrites tensor indexing into ``aten.index.Tensor``, rejects Python control flow on tensors
-    and tags the graph nodes each torch call creates with the user's source line."""
+    and tags the graph nodes each torch call creates with the user's source line.
+
+    While ``find_device`` is set (the user's code runs on CPU stand-ins), a captured tensor off
+    the CPU stops the trace (``_OtherDevice``): the stand-ins must live on the captured tensors'
+    device, as torch's index tensors live on the query's, or ops that need one device
+    (index_select) fail and the gradient's autograd graph spans two devices, whose engine threads
+    then share one fake-tensor mode."""
 
     def __init__(self, name: str):
         super().__init__()
         self.name = name
+        self.find_device = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.find_device:
+            device = _captured_device(args, kwargs)
+            if device is not None:
+                raise _OtherDevice(device)
         if func in _CONTROL_FLOW:
             loc = user_location_from_stack()
             raise _TraceError(ControlFlowError(
@@ -178,7 +209,7 @@ def _index(name: str, tensor, index):
                 f"index {item!r} is not supported; use tensors, ints, slices, None or '...'.",
                 mod_name=name, filename=loc.filename, lineno=loc.lineno, op="Tensor.__getitem__"))
         elif isinstance(item, int):
-            converted.append(torch.full((), item, dtype=torch.int64))
+            converted.append(torch.full((), item, dtype=torch.int64, device=tensor.device))
         elif item == slice(None):
             converted.append(None)
         else:
@@ -254,14 +285,14 @@ def check_signature(fn, kind: str) -> None:
             lineno=loc.lineno) from None
 
 
-def _normalize_return(fn, kind: str, out):
+def _normalize_return(fn, kind: str, out, device: torch.device):
     """Python bools (mask) and numbers (score) become 0-d tensors; other non-tensors are errors."""
     if isinstance(out, torch.Tensor):
         return out
     if kind == "mask" and isinstance(out, bool):
-        return torch.full((), out, dtype=torch.bool)
+        return torch.full((), out, dtype=torch.bool, device=device)
     if kind == "score" and isinstance(out, (int, float)) and not isinstance(out, bool):
-        return torch.full((), float(out), dtype=torch.float32)
+        return torch.full((), float(out), dtype=torch.float32, device=device)
     loc = definition_location(fn)
     raise _TraceError(ModReturnError(
         _return_message(kind, type(out).__name__), mod_name=mod_name(fn), filename=loc.filename,
@@ -295,35 +326,78 @@ def _check_output(gm: GraphModule, fn, kind: str) -> None:
             mod_name=mod_name(fn), filename=loc.filename, lineno=loc.lineno)
 
 
+def stand_ins(kind: str, score_dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """The 0-d tensors a mod is traced over: (score,) b, h, q_idx, kv_idx on ``device``."""
+    args = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(4)]
+    if kind == "score":
+        args.insert(0, torch.zeros((), dtype=score_dtype, device=device))
+    return args
+
+
+def stand_in_device(gm: GraphModule) -> torch.device:
+    """The device ``gm`` was traced on (its placeholders')."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if isinstance(val, torch.Tensor):
+            return val.device
+    return torch.device("cpu")
+
+
 def trace_mod(fn, kind: str, score_dtype: torch.dtype = torch.float32) -> GraphModule:
-    """Trace ``fn`` over 0-d tensors (score float32; b, h, q_idx, kv_idx int32) to an aten graph.
+    """Trace ``fn`` over 0-d tensors (score ``score_dtype``; b, h, q_idx, kv_idx int32) to an
+    aten graph.
+
+    The stand-ins live on the device of the tensors the mod captures (the CPU when it captures
+    none), as torch evaluates a mod on the query's device: the trace starts on the CPU and starts
+    again on that device when it meets a captured tensor elsewhere.
 
     Raises:
         ModError and its subclasses, with the user's file and line where known.
     """
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     # make_fx imports triton; the interpreter must be chosen before triton's own @jit
     # functions (tl.zeros, ...) are decorated, or later kernels cannot call them.
     prepare_triton()
     check_signature(fn, kind)
+    try:
+        gm = _trace(fn, kind, score_dtype, torch.device("cpu"))
+    except _OtherDevice as found:
+        gm = _trace(fn, kind, score_dtype, found.device)
+    _check_output(gm, fn, kind)
+    return gm
+
+
+def _trace(fn, kind: str, score_dtype: torch.dtype, device: torch.device) -> GraphModule:
+    """make_fx of ``fn`` over stand-ins on ``device``; on the CPU, raises _OtherDevice where a
+    captured tensor lives elsewhere."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     name = mod_name(fn)
-    args = [torch.zeros((), dtype=torch.int32) for _ in range(4)]
-    if kind == "score":
-        args.insert(0, torch.zeros((), dtype=score_dtype))
+    args = stand_ins(kind, score_dtype, device)
+
+    mode = _LoweringMode(name)
 
     def traced(*a):
-        return _normalize_return(fn, kind, fn(*a))
+        # Only the user's own calls: make_fx's conversions to fake tensors go through meta tensors.
+        mode.find_device = device.type == "cpu"
+        try:
+            out = fn(*a)
+        finally:
+            mode.find_device = False
+        return _normalize_return(fn, kind, out, device)
     traced.__signature__ = inspect.Signature(
         [inspect.Parameter(p, inspect.Parameter.POSITIONAL_ONLY) for p in MOD_ARGS[kind]])
 
     try:
-        with _LoweringMode(name):
-            gm = make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True,
-                         decomposition_table=decompositions())(*args)
+        with mode:
+            return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True,
+                           decomposition_table=decompositions())(*args)
+    except _OtherDevice:
+        raise
     except _TraceError as e:
         raise e.error from None
     except Exception as e:  # noqa: BLE001 - anything the user's code raised is reported as theirs
+        if isinstance(e.__cause__, _OtherDevice):
+            raise e.__cause__ from None
         if isinstance(e.__cause__, _TraceError):
             raise e.__cause__.error from None
         if isinstance(e, ModError):
@@ -339,5 +413,3 @@ def trace_mod(fn, kind: str, score_dtype: torch.dtype = torch.float32) -> GraphM
                 mod_name=name, filename=loc.filename, lineno=loc.lineno) from e
         raise ModError(f"{type(e).__name__} while tracing the mod: {e}", mod_name=name,
                        filename=loc.filename, lineno=loc.lineno) from e
-    _check_output(gm, fn, kind)
-    return gm

@@ -35,7 +35,8 @@ from flexcore.errors import ModError, UnsupportedOpError
 from flexcore.lowering import codegen as _codegen
 from flexcore.lowering.cache import LRUCache, guard_key
 from flexcore.lowering.shapes import flat_nodes
-from flexcore.lowering.trace import decompositions, mod_name, trace_mod
+from flexcore.lowering.trace import (decompositions, mod_name, stand_in_device, stand_ins,
+                                     trace_mod)
 from flexcore.lowering.values import Lanes, Val, literal, opmath
 
 FN_NAME = "score_mod_bwd_fn"
@@ -120,8 +121,8 @@ class _VjpCodegen(_codegen.ModCodegen):
     """ModCodegen over the VJP graph: a ``grad`` input, scatter-adds, and a tuple output."""
 
     def __init__(self, gm: GraphModule, name: str, captured, detached_of: dict[int, torch.Tensor],
-                 score_dtype: torch.dtype):
-        super().__init__(gm, "score", name)
+                 score_dtype: torch.dtype, fast_math: bool = False):
+        super().__init__(gm, "score", name, fast_math=fast_math)
         self._detached_of = detached_of
         self.score_dtype = score_dtype
         for t in captured:  # the forward's order, so that the parameter names match the forward's
@@ -546,8 +547,10 @@ def _vjp_graph(gm: GraphModule, grad_caps: list[torch.Tensor], score_dtype: torc
         _, vjp_fn = torch.func.vjp(fwd, score, *detached)
         return vjp_fn(grad)
 
-    args = [torch.zeros((), dtype=score_dtype)] + [torch.zeros((), dtype=torch.int32) for _ in range(4)]
-    args.append(torch.zeros((), dtype=score_dtype))
+    # The forward's stand-ins and grad on one device: an autograd graph over two devices runs on
+    # two engine threads at once, which share the trace's fake-tensor mode.
+    device = stand_in_device(gm)
+    args = stand_ins("score", score_dtype, device) + [torch.zeros((), dtype=score_dtype, device=device)]
     # Backward formulas such as tanh_backward become the pointwise ops the code generator knows.
     decomps = core_aten_decompositions()
     table = {op: fn for op, fn in decomps.items()
@@ -561,15 +564,22 @@ def _vjp_graph(gm: GraphModule, grad_caps: list[torch.Tensor], score_dtype: torc
     return graph, {id(d): t for d, t in zip(detached, grad_caps)}
 
 
-def lower_score_mod_backward(fn, forward=None, score_dtype: torch.dtype = torch.float32
-                             ) -> LoweredScoreBackward:
+def lower_score_mod_backward(fn, forward=None, score_dtype: torch.dtype = torch.float32,
+                             fast_math: bool = False) -> LoweredScoreBackward:
     """Lower the vector-Jacobian product of ``fn`` (a score_mod) to ``score_mod_bwd_fn``.
+
+    The backward kernel recomputes the forward (``score_mod_fn``) and then calls
+    ``score_mod_bwd_fn`` on the same score, so the two are lowered alike: the derivative's copy of
+    the forward's ops (the tanh of a softcap) is then the same instruction on the same operands,
+    and Triton's common-subexpression elimination computes it once.
 
     Args:
         fn: the score_mod, or None (identity).
         forward: the forward's LoweredMod of ``fn``; its ``captured`` order fixes the parameter
-            names. Traced here when not given.
+            names and its ``fast_math`` the lowering of transcendental ops. Traced here when not
+            given.
         score_dtype: dtype of the score and gradient tiles (float32; float64 for float64 inputs).
+        fast_math: as :func:`flexcore.lowering.lower_score_mod`'s, where ``forward`` is not given.
 
     Returns:
         LoweredScoreBackward. Captured floating-point tensors with ``requires_grad`` get gradient
@@ -585,15 +595,16 @@ def lower_score_mod_backward(fn, forward=None, score_dtype: torch.dtype = torch.
     gm = None
     if forward is None:
         gm = trace_mod(fn, "score")
-        _, cap_params, captured, trivial = _codegen.generate(gm, "score", name)
+        _, cap_params, captured, trivial = _codegen.generate(gm, "score", name, score_dtype, fast_math)
     else:
         cap_params, captured, trivial = tuple(forward.cap_params), tuple(forward.captured), forward.is_trivial
+        fast_math = forward.fast_math
     if trivial:
         return _trivial(captured, cap_params)
     requires = tuple(bool(t.requires_grad and t.is_floating_point()) for t in captured)
     key = None
     if guard is not None:
-        key = (guard[0], tuple(id(t) for t in captured), requires, score_dtype)
+        key = (guard[0], tuple(id(t) for t in captured), requires, score_dtype, fast_math)
         hit = _cache.get(key)
         if hit is not None:
             return hit
@@ -608,7 +619,7 @@ def lower_score_mod_backward(fn, forward=None, score_dtype: torch.dtype = torch.
         raise ModError(f"could not trace the gradient of the score_mod ({type(e).__name__}: {e})",
                        mod_name=name) from e
 
-    gen = _VjpCodegen(graph, name, captured, detached_of, score_dtype)
+    gen = _VjpCodegen(graph, name, captured, detached_of, score_dtype, fast_math)
     outputs = gen.run()
     if not isinstance(outputs, (tuple, list)) or len(outputs) != 1 + len(grad_of):
         raise ModError("unexpected gradient graph output", mod_name=name)

@@ -190,6 +190,28 @@ def test_chunking_equals_unchunked(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_chunked_first_call_with_a_learnable_table(monkeypatch):
+    # A mod's first call decides how it is evaluated (its lowering); inside a checkpointed chunk
+    # that decision must not change what autograd saves, or the recomputation fails.
+    g = torch.Generator().manual_seed(12)
+    B, H, L, S, D = 1, 2, 24, 24, 8
+    tensors = [rand(B, H, n, D, generator=g, requires_grad=True) for n in (L, S, S)]
+    table = rand(L + S, generator=g, requires_grad=True)
+    bm = create_block_mask(causal, None, None, L, S, device="cpu", BLOCK_SIZE=8)
+
+    def run(chunk_scores):
+        def relative(score, b, h, q_idx, kv_idx):  # a new function: its first call
+            return score + table[q_idx - kv_idx + S]
+        monkeypatch.setattr(refmod, "_CHUNK_SCORES", chunk_scores)
+        out, lse = flex_attention_reference(*tensors, relative, bm, return_lse=True)
+        return torch.autograd.grad((out * out).sum() + lse.sum(), [*tensors, table])
+
+    chunked = run(B * H * S * 5)
+    whole = run(1 << 26)
+    for a, b in zip(chunked, whole):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_gradients_match_finite_differences():
     g = torch.Generator().manual_seed(6)
     B, H, L, S, D = 1, 2, 9, 11, 4
