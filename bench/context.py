@@ -10,17 +10,38 @@ import torch
 
 from bench import dense
 from bench.flops import attention_flops, block_density, decode_bytes
-from bench.grid import Case, Settings
+from bench.grid import FP8_PASS, Case, Settings
 from bench.mods import offset_indices, resolve
 from variants.core import Mods
 
 
 @dataclass
+class FP8Inputs:
+    """An input set quantized for the fp8 pass: float8_e4m3fn q, k, v and their float32 descales,
+    (B, Hkv) each (q's per batch and KV head: FlashAttention-3's layout, which flexcore takes too)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    descale_q: torch.Tensor
+    descale_k: torch.Tensor
+    descale_v: torch.Tensor
+
+    def descales(self) -> dict:
+        """The descales as flex_attention's keyword arguments."""
+        return dict(descale_q=self.descale_q, descale_k=self.descale_k, descale_v=self.descale_v)
+
+
+@dataclass
 class InputSet:
+    """One rotated input set. For the fp8 pass q, k, v hold the dequantized values of ``fp8``
+    (exact in bfloat16), so that the float64 golden and the baselines attend what FP8 providers do."""
+
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     dout: torch.Tensor | None
+    fp8: FP8Inputs | None = None
 
 
 @dataclass
@@ -126,10 +147,24 @@ class CaseContext:
 
         return self._cached("density", build)
 
+    @property
+    def fp8(self) -> bool:
+        """Whether the case is the FP8 forward (:data:`bench.grid.FP8_PASS`)."""
+        return self.case.pass_ == FP8_PASS
+
+    def fp8_inputs(self, q: torch.Tensor) -> FP8Inputs:
+        """The quantized inputs of the input set whose (dequantized) q is ``q`` (providers look
+        them up by the tensor the runner passes, so quantization stays out of the timed call)."""
+        for x in self.inputs:
+            if x.q is q and x.fp8 is not None:
+                return x.fp8
+        raise KeyError("no FP8 input set holds this query tensor (the fp8 pass's providers take "
+                       "the context's own input sets)")
+
     def flops(self) -> float:
         c = self.case
         return attention_flops(c.batch, c.q_heads, c.q_len, c.kv_len, c.head_dim, c.v_head_dim,
-                               self.density(), c.pass_)
+                               self.density(), "fwd" if self.fp8 else c.pass_)
 
     def bytes_moved(self) -> float:
         c = self.case
@@ -266,8 +301,13 @@ class CaseContext:
         for s in self.slices():
             mods = self.slice_mods(s)
             q, k, v = self.slice_tensors(s, first.q, first.k, first.v)
-            if upcast:
+            descales = {}
+            if upcast:  # for fp8 the dequantized values (exact in bfloat16): the float64 golden
                 q, k, v = (t.detach().double() for t in (q, k, v))
+            elif self.fp8:  # the FP8 kernels' math (flexcore.reference): the same-dtype baseline
+                x = first.fp8
+                q, k, v = self.slice_tensors(s, x.q, x.k, x.v)
+                descales = {name: s.kv_part(d) for name, d in x.descales().items()}
             else:
                 q, k, v = (t.detach() for t in (q, k, v))
             with torch.set_grad_enabled(self.needs_grad):
@@ -276,7 +316,7 @@ class CaseContext:
                 out = flex_attention_reference(q, k, v, score_mod=mods.score_mod,
                                                block_mask=self.slice_block_mask(s, mods),
                                                enable_gqa=s.nq != s.nkv, upcast=upcast,
-                                               sinks=mods.sinks)
+                                               sinks=mods.sinks, **descales)
                 if self.needs_grad:
                     g = s.q_part(dout).to(out.dtype)
                     grads = torch.autograd.grad(out, [q, k, v, *learnable], g, allow_unused=True)
@@ -293,7 +333,8 @@ class CaseContext:
 
     def reference_baseline(self) -> dict:
         """flexcore's eager reference in the case dtype (``upcast=False``): the same-dtype baseline when
-        SDPA math cannot express the variant."""
+        SDPA math cannot express the variant, and for the fp8 pass (FP8 kernels' math on the
+        quantized inputs: probabilities rounded to e4m3 before @ V)."""
         return self._cached("ref_baseline", lambda: self._reference(upcast=False))
 
 
@@ -329,8 +370,24 @@ def make_context(case: Case, settings: Settings, device: torch.device, n_sets: i
         if c.pass_ == "fwd_bwd":
             for t in (q, k, v):
                 t.requires_grad_(True)
-        ctx.inputs.append(InputSet(q, k, v, dout))
+        if c.pass_ == FP8_PASS:
+            ctx.inputs.append(fp8_input_set(q, k, v, c.kv_heads))
+        else:
+            ctx.inputs.append(InputSet(q, k, v, dout))
     return ctx
+
+
+def fp8_input_set(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int) -> InputSet:
+    """An fp8 pass's input set: q, k, v quantized to float8_e4m3fn with descales from each
+    (batch, KV head)'s amax (q's over its GQA group: FlashAttention-3's layout), rounded up to
+    powers of two so that the dequantized values, which the set's q, k, v hold in bfloat16, are
+    exact (e4m3's relative precision is the same in every binade, so nothing is lost but the top
+    binade's range)."""
+    from flexcore.fp8 import dequantize, quantize
+
+    (q8, dq), (k8, dk), (v8, dv) = (quantize(t, heads=kv_heads, power_of_two=True) for t in (q, k, v))
+    fp8 = FP8Inputs(q8, k8, v8, dq, dk, dv)
+    return InputSet(*(dequantize(t, d, q.dtype) for t, d in ((q8, dq), (k8, dk), (v8, dv))), None, fp8)
 
 
 def rotation_sets(set_bytes: int, device: torch.device, cap: int = 4) -> int:

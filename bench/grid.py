@@ -12,7 +12,7 @@ A config is a mapping (TOML, YAML or a preset) like::
     heads = [16, [32, 8]]                 # query heads, or [query heads, kv heads] for GQA
     head_dim = [128]                      # or [D, Dv]
     dtype = ["bfloat16"]
-    passes = ["fwd", "fwd_bwd"]           # and/or "decode"
+    passes = ["fwd", "fwd_bwd"]           # and/or "decode", "fp8"
 
 Each group is the Cartesian product of its lists; the grid is the union of its groups.
 Variant specs are described in :mod:`bench.mods`.
@@ -30,15 +30,21 @@ from pathlib import Path
 from bench.flops import PASS_FACTORS
 
 DTYPES = ("float32", "bfloat16", "float16")
-#: The passes of a case: the attention passes of :data:`bench.flops.PASS_FACTORS`, and
-#: ``train_step``, one transformer block's forward+backward (:mod:`bench.train_step`).
-PASSES = (*PASS_FACTORS, "train_step")
+#: The FP8 forward: the case's bfloat16 inputs quantized to float8_e4m3fn with per-head descales
+#: (bench.context), attended by providers that take FP8 (bfloat16 output); its FLOPs are a forward's.
+FP8_PASS = "fp8"
+#: Passes that time one attention call: those of :data:`bench.flops.PASS_FACTORS`, and ``fp8``.
+ATTENTION_PASSES = (*PASS_FACTORS, FP8_PASS)
+#: The passes of a case: the attention passes, and ``train_step``, one transformer block's
+#: forward+backward (:mod:`bench.train_step`).
+PASSES = (*ATTENTION_PASSES, "train_step")
 #: torch.compile backends of flexlab_compiled and of train-step blocks.
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
 _PASS_ALIASES = {"forward": "fwd", "forward+backward": "fwd_bwd", "fwd+bwd": "fwd_bwd",
-                 "backward": "fwd_bwd", "bwd": "fwd_bwd", "train-step": "train_step"}
+                 "backward": "fwd_bwd", "bwd": "fwd_bwd", "train-step": "train_step",
+                 "fp8_fwd": "fp8", "fp8-forward": "fp8", "float8": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,10 @@ class Case:
             raise ConfigError(f"dtype={self.dtype!r} in case {self.case_id}: expected one of {DTYPES}")
         if self.pass_ not in PASSES:
             raise ConfigError(f"pass={self.pass_!r} in case {self.case_id}: expected one of {list(PASSES)}")
+        if self.pass_ == FP8_PASS and self.dtype != "bfloat16":
+            raise ConfigError(f"case {self.case_id}: the fp8 pass quantizes bfloat16 inputs to "
+                              f"float8_e4m3fn and returns bfloat16; give it dtype bfloat16 (a group "
+                              f"may list fp8 beside fwd with dtype ['bfloat16'])")
         if self.pass_ == "train_step" and (self.q_len != self.kv_len or self.head_dim != self.v_head_dim):
             raise ConfigError(f"case {self.case_id}: a train_step case is one self-attention block, so "
                               "q_len must equal kv_len and head_dim its value head dim")
@@ -120,15 +130,16 @@ class Settings:
     compile_backend: str = "inductor"
 
     def graph_passes(self) -> set[str]:
-        """The passes in :attr:`cuda_graphs` ("all" means every pass). Raises ConfigError for a
-        name that is not a pass."""
+        """The passes in :attr:`cuda_graphs` ("all" means fwd, fwd_bwd and decode; fp8 is given by
+        name). Raises ConfigError for a name that is not a pass."""
         if not isinstance(self.cuda_graphs, str):
             raise ConfigError(f"cuda_graphs={self.cuda_graphs!r}: expected a string of comma-separated "
                               "passes, 'all' or 'none'")
         names = {p.strip() for p in self.cuda_graphs.split(",") if p.strip()}
-        if names - set(PASS_FACTORS) - {"all", "none"}:
+        if names - set(ATTENTION_PASSES) - {"all", "none"}:
             raise ConfigError(f"cuda_graphs={self.cuda_graphs!r}: expected comma-separated passes from "
-                              f"{sorted(PASS_FACTORS)}, 'all' or 'none'")
+                              f"{sorted(ATTENTION_PASSES)}, 'all' or 'none'")
+        # "all" keeps its meaning, the passes of bench.flops.PASS_FACTORS; fp8 is named.
         return set(PASS_FACTORS) if "all" in names else names - {"none"}
 
     def validate(self) -> "Settings":
@@ -322,6 +333,18 @@ PRESETS: dict[str, dict] = {
              "passes": ["fwd", "fwd_bwd"]},
         ],
     },
+    # The FP8 forward beside bf16's (issue 37's target: FP8 >= 1.4x bf16 at 16k, noop and causal,
+    # D=128), with FlashAttention-3's FP8 flash_attn_func where the flash_attn provider finds it.
+    "fp8": {
+        "providers": ["flexlab", "flash_attn", "sdpa_cudnn"],
+        "settings": {"warmup_ms": 25, "rep_ms": 100, "min_reps": 10, "max_reps": 100,
+                     "ref_slices": 1},
+        "groups": [
+            {"variants": ["noop", "causal", "alibi_causal", "sliding_window(window_size=1024)"],
+             "shapes": [[4, 4096], [1, 16384]], "heads": [16], "head_dim": [128],
+             "dtype": ["bfloat16"], "passes": ["fwd", "fp8"]},
+        ],
+    },
     # One transformer block (RMSNorm, attention, MLP) compiled, forward+backward: tokens/s.
     "train-step": {
         "providers": SMALL_PROVIDERS,
@@ -342,6 +365,8 @@ PRESET_HELP = {
     "tiny": "CPU-sized grid for CI: flexlab (interpreter) vs SDPA math, fp32 and bf16, with GQA",
     "small": "training shapes, unpinned: causal, alibi_causal, document × S 512-2048, D 64/128, B·H "
              "8-64, fwd and fwd_bwd; flexlab (eager and in torch.compile) vs torch flex compiled",
+    "fp8": "the FP8 forward (float8_e4m3fn, per-head descales) beside bf16's forward: noop, causal, "
+           "alibi_causal, sliding window × (B=4,S=4096),(B=1,S=16384), H=16, D=128",
     "train-step": "one compiled transformer block's forward+backward (B=4, S=2048, H=16, D=128, "
                   "d_model 2048), tokens/s: flexlab (eager attention, and in the graph) vs torch flex",
 }

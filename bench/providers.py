@@ -83,6 +83,13 @@ def refuse_sinks(ctx: CaseContext, what: str) -> None:
                           f"{tuple(ctx.mods.sinks.shape)}); only flex_attention providers apply them")
 
 
+def refuse_fp8(ctx: CaseContext, what: str) -> None:
+    """Raise :class:`Unsupported` on the fp8 pass, whose float8_e4m3fn inputs ``what`` does not take
+    (``what`` completes "... takes no float8 inputs" with its reason)."""
+    if ctx.fp8:
+        raise Unsupported(f"{what}: the fp8 pass attends float8_e4m3fn q, k, v with descales")
+
+
 #: How torch flex_attention providers apply a case's sinks (torch's flex_attention takes none).
 TORCH_SINKS_NOTE = "sinks applied after the call by LSE renormalisation"
 
@@ -105,6 +112,11 @@ def flex_attention_with_sinks(q, k, v, sinks, *, flex_attention=None, **kwargs) 
 
 
 # ---- flexlab ---------------------------------------------------------------------------------
+
+
+#: How the fp8 pass's providers are called (bench.context.fp8_input_set quantizes outside the timing).
+FP8_NOTE = ("float8_e4m3fn q, k, v with per-(batch, KV head) descales from amax (powers of two), "
+            "bfloat16 output")
 
 
 class FlexlabProvider(Provider):
@@ -132,11 +144,18 @@ class FlexlabProvider(Provider):
         score_mod, sinks = ctx.mods.score_mod, ctx.mods.sinks
         gqa = ctx.case.gqa
 
-        def call(q, k, v):
-            return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
-                                  sinks=sinks)
+        if ctx.fp8:
+            def call(q, k, v):  # the set's quantized tensors, quantized before timing
+                x = ctx.fp8_inputs(q)
+                return flex_attention(x.q, x.k, x.v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
+                                      sinks=sinks, **x.descales())
+        else:
+            def call(q, k, v):
+                return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
+                                      sinks=sinks)
 
         note = "; ".join(filter(None, ["flexcore BlockMask" if bm is not None else "",
+                                       FP8_NOTE if ctx.fp8 else "",
                                        _sinks_note(ctx, "flex_attention(..., sinks=)")]))
         return Prepared(call, _block_mask_bytes(bm), note)
 
@@ -155,6 +174,7 @@ class FlexlabCompiledProvider(Provider):
     def prepare(self, ctx):
         import flexcore
 
+        refuse_fp8(ctx, "flexcore's FP8 path runs eagerly, not under torch.compile")
         bm = ctx.flex_block_mask()
         score_mod, sinks = ctx.mods.score_mod, ctx.mods.sinks
         gqa = ctx.case.gqa
@@ -411,6 +431,7 @@ class TorchFlexProvider(Provider):
     def prepare(self, ctx):
         from torch.nn.attention.flex_attention import create_block_mask
 
+        refuse_fp8(ctx, "torch's flex_attention takes no float8 inputs (no descale arguments)")
         c = ctx.case
         bm = None
         if ctx.mods.mask_mod is not None:
@@ -477,6 +498,7 @@ class TorchFlexFlashProvider(TorchFlexProvider):
 
     def prepare(self, ctx):
         c = ctx.case
+        refuse_fp8(ctx, "torch's flex_attention takes no float8 inputs (no descale arguments)")
         reason = fa4_input_reason(c.dtype, c.head_dim, c.v_head_dim, cuda_major(ctx.device))
         if reason is not None:
             raise Unsupported(reason)
@@ -550,6 +572,7 @@ class SDPAProvider(Provider):
             raise Unsupported(str(exc)) from None
 
     def prepare(self, ctx):
+        refuse_fp8(ctx, f"SDPA {self.backend.lower()} takes no float8 inputs (no descale arguments)")
         refuse_sinks(ctx, f"SDPA {self.backend.lower()}")
         mask, is_causal, note = self._express(ctx)
         backend = _sdpa_backend(self.backend)
@@ -614,6 +637,9 @@ def sdpa_reference(ctx: CaseContext, q, k, v, mods, grad: bool = False):
 
     if mods.sinks is not None:
         raise dense.NotExpressible("SDPA math has no attention sinks")
+    if ctx.fp8:
+        raise dense.NotExpressible("the fp8 pass's same-dtype baseline is FP8 math (flexcore.reference "
+                                   "on the quantized inputs), which SDPA math does not do")
     c = ctx.case
     nb, nq = q.shape[0], q.shape[1]
     trivial = ctx.score_is_trivial()
@@ -721,14 +747,26 @@ class FlashAttnProvider(Provider):
 
     def prepare(self, ctx):
         fn, label = self._load()
+        if ctx.fp8 and label != "FA3":
+            refuse_fp8(ctx, f"{self.title} ({label}) takes float16/bfloat16 only; FlashAttention-3's "
+                            f"flash_attn_func (flash_attn_interface) takes FP8 with descales")
         kwargs, notes = self.arguments(ctx, label, cuda_major(ctx.device))
 
-        def call(q, k, v):
-            out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs)
+        def run(q, k, v, **extra):
+            out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kwargs, **extra)
             if isinstance(out, tuple):
                 out = out[0]
             return out.transpose(1, 2)
 
+        if ctx.fp8:
+            def call(q, k, v):  # FA3's FP8: q_descale etc. of shape (B, Hkv), as the context's
+                x = ctx.fp8_inputs(q)
+                return run(x.q, x.k, x.v, q_descale=x.descale_q, k_descale=x.descale_k,
+                           v_descale=x.descale_v)
+
+            notes.append("float8_e4m3fn with q/k/v_descale")
+        else:
+            call = run
         return Prepared(call, 0, f"{label}: " + (", ".join(notes) or "dense"))
 
 
@@ -756,6 +794,7 @@ class FlashAttn4Provider(FlashAttnProvider):
 
     def arguments(self, ctx, label, major):
         c = ctx.case
+        refuse_fp8(ctx, f"{self.title}'s flash_attn_func takes float16/bfloat16 only")
         refuse_sinks(ctx, f"{self.title}'s flash_attn_func as this provider calls it (no learnable_sink)")
         reason = fa4_input_reason(c.dtype, c.head_dim, c.v_head_dim, major)
         if reason is not None:

@@ -6,8 +6,9 @@ from torch import Tensor
 
 from flexcore.errors import InputError
 
-# float64 runs too (slowly on GPUs): it is what torch.autograd.gradcheck needs.
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# float64 runs too (slowly on GPUs): it is what torch.autograd.gradcheck needs. float8_e4m3fn
+# comes with descale factors (flexcore.fp8 checks them first).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.float8_e4m3fn)
 
 
 def _shape(t: Tensor) -> str:

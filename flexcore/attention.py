@@ -22,6 +22,7 @@ from flexcore._runtime import prepare_triton, use_interpreter
 from flexcore._types import ScoreMod
 from flexcore._validate import check_block_mask, check_qkv
 from flexcore.errors import InputError
+from flexcore.fp8 import FP8_DTYPE, check_fp8_inputs, fp8_options, key_major
 from flexcore.interop import coerce_block_mask
 from flexcore.options import KernelOptions
 from flexcore.sinks import apply_sinks, check_finite_sinks, check_sinks
@@ -191,9 +192,10 @@ def _q_blocks(block_mask, B, Hq):
 
 
 def _decodes(query, opts) -> bool:
-    """Whether the decode kernel runs the forward (short queries), rather than the forward kernel."""
+    """Whether the decode kernel runs the forward (short queries), rather than the forward kernel.
+    float64 and FP8 calls take the forward kernel at every length."""
     ready()
-    return query.dtype != torch.float64 and _decode.use_decode_kernel(query.shape[2], opts)
+    return query.dtype not in (torch.float64, FP8_DTYPE) and _decode.use_decode_kernel(query.shape[2], opts)
 
 
 def _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, opts) -> None:
@@ -216,10 +218,11 @@ def _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, opts) 
 
 
 def forward_kernels(query, key, value, score_lowered, mask_lowered, blocks, scale, opts,
-                    want_max: bool = False):
+                    want_max: bool = False, descales=None):
     """(out, lse, row_stats, max_scores) of the forward or the decode kernel. row_stats is None
     from decode (the backward derives it, :func:`decode_row_stats`); max_scores is None unless
-    ``want_max``."""
+    ``want_max``. ``descales``: the :class:`flexcore.fp8.Descales` of float8 inputs (the forward
+    kernel's FP8 path)."""
     if _decodes(query, opts):
         if want_max:
             out, lse, max_scores = _decode.decode(query, key, value, score_lowered, mask_lowered,
@@ -228,10 +231,12 @@ def forward_kernels(query, key, value, score_lowered, mask_lowered, blocks, scal
         out, lse = _decode.decode(query, key, value, score_lowered, mask_lowered, blocks, scale, opts)
         return out, lse, None, None
     B = query.shape[0]
+    if descales is not None:  # V key-major before a shared cache's expand: one copy, not B
+        value = key_major(value)
     if key.shape[0] != B:  # a shared (batch 1) cache is read through stride-0 views
         key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)
     out, lse, row_stats = _forward.forward(query, key, value, score_lowered, mask_lowered, blocks,
-                                           scale, opts)
+                                           scale, opts, descales)
     return out, lse, row_stats, (_forward.max_scores(row_stats) if want_max else None)
 
 
@@ -336,8 +341,8 @@ class _Call:
         self.want_max = want_max
         self.B, self.Hq = query.shape[:2]
         self.score_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-        # 16-bit inputs round scores far more coarsely than approximate transcendentals err.
-        self.fast_math = query.dtype in (torch.float16, torch.bfloat16)
+        # 16-bit and FP8 inputs round scores far more coarsely than approximate transcendentals err.
+        self.fast_math = query.dtype in (torch.float16, torch.bfloat16, FP8_DTYPE)
         self.prefetched = False
 
 
@@ -379,6 +384,8 @@ def _prepared(query, key, value, block_mask, scale, enable_gqa, kernel_options, 
             return call, mask
     validate_inputs(query, key, value, block_mask, scale, enable_gqa)
     opts = KernelOptions.from_any(kernel_options)
+    if query.dtype == FP8_DTYPE:  # the Triton template's FP8 path (flexcore.kernels.policy.fp8_policy)
+        opts = fp8_options(opts)
     if block_mask is None:
         block_mask = full_block_mask(query.shape[2], key.shape[2], query.device)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
@@ -395,8 +402,9 @@ def _prepared(query, key, value, block_mask, scale, enable_gqa, kernel_options, 
     return call, block_mask
 
 
-def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max):
-    """(out, lse, max_scores) of an eager call."""
+def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max,
+           descales=None):
+    """(out, lse, max_scores) of an eager call (``descales``: FP8 inputs' flexcore.fp8.Descales)."""
     ready()
     if score_mod is not None and not callable(score_mod):
         raise InputError(f"score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
@@ -410,6 +418,11 @@ def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     mask_lowered = _lowering.lower_mask_mod(block_mask.mask_mod)
     check_indices(score_lowered, mask_lowered, call.B, call.Hq, query.shape[2], key.shape[2], call.opts)
     blocks = kv_blocks(block_mask, call.B, call.Hq)
+    if descales is not None:
+        _check_forward_only(query, key, value, descales, score_lowered)
+        out, lse, _, max_scores = forward_kernels(query, key, value, score_lowered, mask_lowered,
+                                                  blocks, call.scale, call.opts, want_max, descales)
+        return out, lse, max_scores
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
                                     or any(t.requires_grad for t in score_lowered.captured)):
         if not call.prefetched:
@@ -421,6 +434,23 @@ def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     out, lse, _, max_scores = forward_kernels(query, key, value, score_lowered, mask_lowered,
                                               blocks, call.scale, call.opts, want_max)
     return out, lse, max_scores
+
+
+def _check_forward_only(query, key, value, descales, score_lowered) -> None:
+    """InputError where autograd would want gradients through an FP8 call: its kernels have no
+    backward (the sinks' gradient needs none: flexcore.sinks differentiates out and lse)."""
+    if not torch.is_grad_enabled():
+        return
+    named = [("query", query), ("key", key), ("value", value), ("descale_q", descales.q),
+             ("descale_k", descales.k), ("descale_v", descales.v)]
+    named += [(f"the score_mod's captured tensor {i} {tuple(t.shape)}", t)
+              for i, t in enumerate(score_lowered.captured)]
+    wanting = [name for name, t in named if t.requires_grad]
+    if wanting:
+        raise InputError(f"the FP8 (float8_e4m3fn) path of flex_attention is forward-only, but "
+                         f"{', '.join(wanting)} requires grad (out and lse would need a backward). "
+                         f"Call it under torch.no_grad() or on detached tensors, or train with "
+                         f"bfloat16 inputs")
 
 
 def check_indices(score_lowered, mask_lowered, B: int, Hq: int, L: int, S: int, opts) -> None:
@@ -459,7 +489,8 @@ def _requested(return_lse, return_aux) -> tuple[bool, bool]:
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMod | None = None,
                    block_mask=None, scale: float | None = None, enable_gqa: bool = False,
                    return_lse: bool = False, kernel_options=None, *, return_aux=None,
-                   sinks: Tensor | None = None):
+                   sinks: Tensor | None = None, descale_q: Tensor | None = None,
+                   descale_k: Tensor | None = None, descale_v: Tensor | None = None):
     """Attention with a user score_mod and a block-sparse mask, in one fused Triton kernel.
 
     Same signature and semantics as ``torch.nn.attention.flex_attention.flex_attention``; it also
@@ -468,7 +499,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
 
     Args:
         query: (B, Hq, L, D); key: (B, Hkv, S, D); value: (B, Hkv, S, Dv). float16, bfloat16,
-            float32 or float64.
+            float32 or float64; or all three float8_e4m3fn with descale factors (forward only).
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to every computed score.
         block_mask: a :class:`flexcore.BlockMask`; None attends everywhere.
         scale: multiplies q·k; default ``1/sqrt(D)``.
@@ -480,10 +511,19 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
             joins every row's softmax denominator, ``out = Σ_j e^{s_j} v_j / (Σ_j e^{s_j} +
             e^{sinks[h]})``, with any score_mod, mask and GQA; differentiable (its gradient is
             deterministic). float16, bfloat16, float32 or float64, on the query's device.
+        descale_q, descale_k, descale_v: for float8_e4m3fn q, k, v (required there, refused
+            otherwise): float32 factors with x = x_fp8 · descale (FlashAttention-3's), shape ()
+            or (1,) per tensor, or (B, Hkv) per batch and KV head (batch 1 broadcasts; descale_q
+            may also be (B, Hq), per query head). The mods see the descaled, scaled scores, as
+            with 16-bit inputs. Positive values (amax / 448, as :func:`flexcore.fp8.quantize`
+            gives). Runs on GPUs with FP8 tensor cores (compute capability 8.9 or newer) and,
+            upcast, under Triton's interpreter on the CPU; forward only (inputs that require grad
+            are refused), not under torch.compile.
 
     Returns:
-        out (B, Hq, L, Dv) in the inputs' dtype; with ``return_aux``, ``(out, AuxOutput(lse,
-        max_scores))``, a field None unless requested; with ``return_lse``, ``(out, lse)``.
+        out (B, Hq, L, Dv) in the inputs' dtype (bfloat16 for float8_e4m3fn inputs); with
+        ``return_aux``, ``(out, AuxOutput(lse, max_scores))``, a field None unless requested; with
+        ``return_lse``, ``(out, lse)``.
         lse (B, Hq, L) float32 (float64 for float64 inputs) is the natural-log log-sum-exp of each
         row's modded, masked scores and is differentiable (gradients reach q, k and the captured
         tensors); max_scores (same shape and dtype) is each row's largest of those scores, not
@@ -499,8 +539,14 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
         ...                           return_aux=AuxRequest(lse=True, max_scores=True))
         >>> sinks = torch.nn.Parameter(torch.zeros(q.shape[1], device=q.device))
         >>> out = flex_attention(q, k, v, block_mask=window_mask, sinks=sinks)
+        >>> (q8, dq), (k8, dk), (v8, dv) = (flexcore.fp8.quantize(t) for t in (q, k, v))
+        >>> out = flex_attention(q8, k8, v8, block_mask=causal_mask, descale_q=dq, descale_k=dk,
+        ...                      descale_v=dv)                                   # bfloat16
     """
     if isinstance(query, Tensor) and query.is_nested:  # a ragged batch as one stacked sequence
+        if query.dtype == FP8_DTYPE or any(d is not None for d in (descale_q, descale_k, descale_v)):
+            raise InputError("float8_e4m3fn inputs (descale_q, descale_k, descale_v) are not supported "
+                             "with nested (jagged) query tensors; pad the batch to (B, H, L, D) tensors")
         if sinks is not None:
             raise InputError("sinks is not supported with nested (jagged) query tensors; pad the "
                              "batch to (B, H, L, D) tensors, or call without sinks")
@@ -508,18 +554,22 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
 
         return nested_flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                      return_lse, kernel_options, return_aux=return_aux)
+    descales = check_fp8_inputs(query, key, value, descale_q, descale_k, descale_v)
     want_lse, want_max = _requested(return_lse, return_aux)
     if sinks is not None:
         check_sinks(sinks, query)
         if sinks.device.type == "cpu" and not torch.compiler.is_compiling():
             check_finite_sinks(sinks)
+    if descales is not None and torch.compiler.is_compiling():
+        raise InputError("the FP8 (float8_e4m3fn) path of flex_attention runs eagerly, not under "
+                         "torch.compile: call it outside the compiled region (torch.compiler.disable)")
     if torch.compiler.is_compiling():
         out, lse, max_scores = ops.compiled_flex_attention(query, key, value, score_mod, block_mask,
                                                            scale, enable_gqa, kernel_options, want_max)
     else:
         block_mask = coerce_block_mask(block_mask)  # a torch BlockMask, converted once
         out, lse, max_scores = _eager(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                                      kernel_options, want_max)
+                                      kernel_options, want_max, descales)
     if sinks is not None:
         # After the kernels, from their (out, lse): exact, the same for every kernel path, and
         # differentiated by autograd through the kernels' differentiable lse (flexcore.sinks).

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from flexcore.options import KernelOptions
+from flexcore import fp8
 
 __all__ = ["explain", "Explanation"]
 
@@ -61,6 +62,9 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
     attention.check_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
     attention.validate_inputs(query, key, value, block_mask, scale, enable_gqa)
     opts = KernelOptions.from_any(kernel_options)
+    is_fp8 = query.dtype == fp8.FP8_DTYPE
+    if is_fp8:  # the FP8 rules: the Triton forward at every query length
+        opts = fp8.fp8_options(opts)
     policy = opts.dispatch
     from flexcore.kernels import backward as bwd
     from flexcore.kernels import decode, forward, hopper, tables
@@ -84,7 +88,7 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
                  f"{query.dtype}, head dims {D}/{Dv}, lengths {L}/{S}")
 
     # Forward
-    if query.dtype != torch.float64 and decode.use_decode_kernel(L, opts):
+    if query.dtype != torch.float64 and not is_fp8 and decode.use_decode_kernel(L, opts):
         fwd_kernel = "triton-decode"
         why = (f"decode={opts.decode}" if opts.decode is not None
                else f"query length {L} <= {decode.DECODE_MAX_Q_LEN} (decode=None)")

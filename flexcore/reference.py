@@ -24,6 +24,7 @@ from flexcore.blockmask import mod_kind as _mod_kind
 from flexcore.blockmask import mod_location as _mod_location
 from flexcore.blockmask import row_chunks as _row_chunks
 from flexcore.errors import ModReturnError
+from flexcore.fp8 import FP8_DTYPE, OUTPUT_DTYPE, check_fp8_inputs, dequantize
 from flexcore.lowering import check_indices, per_element
 from flexcore.masks import noop_mask
 from flexcore.sinks import check_sinks
@@ -36,9 +37,11 @@ _CHUNK_SCORES = 1 << 26
 
 def _attend_rows(q: Tensor, k: Tensor, v: Tensor, row0: int, score_mod, mask_mod, block_map,
                  block_size, scale: float, work_dtype: torch.dtype, out_dtype: torch.dtype,
-                 lse_dtype: torch.dtype, sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                 lse_dtype: torch.dtype, sinks: Tensor | None = None,
+                 probs_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
     """Attention of query rows [row0, row0 + q.shape[2]) against all keys; fully masked rows give
-    output 0 and lse -inf (or the sink's logit, with sinks)."""
+    output 0 and lse -inf (or the sink's logit, with sinks). ``probs_dtype``: round the
+    unnormalised probabilities exp(s - max) to it before @ V and divide after (the FP8 kernels' math)."""
     B, Hq, Lc, _ = q.shape
     S = k.shape[2]
     device = q.device
@@ -95,9 +98,15 @@ def _attend_rows(q: Tensor, k: Tensor, v: Tensor, row0: int, score_mod, mask_mod
     row_sum = p.sum(dim=-1, keepdim=True)
     has_keys = row_sum > 0
     safe_sum = torch.where(has_keys, row_sum, torch.ones_like(row_sum))
-    # As torch's eager math: normalised probabilities, cast to the output dtype, then @ V.
-    probs = (p / safe_sum)[..., :S].to(out_dtype).reshape(B, Hkv, G * Lc, S)
-    out = (probs @ v.to(out_dtype)).view(B, Hq, Lc, v.shape[-1])
+    if probs_dtype is not None:
+        # FP8 (FlashAttention-3's math): exp(s - max) rounded to e4m3 for the product with V, the
+        # row sum unrounded, the division after the product.
+        probs = p[..., :S].to(probs_dtype).to(work_dtype).reshape(B, Hkv, G * Lc, S)
+        out = ((probs @ v.to(work_dtype)).view(B, Hq, Lc, v.shape[-1]) / safe_sum).to(out_dtype)
+    else:
+        # As torch's eager math: normalised probabilities, cast to the output dtype, then @ V.
+        probs = (p / safe_sum)[..., :S].to(out_dtype).reshape(B, Hkv, G * Lc, S)
+        out = (probs @ v.to(out_dtype)).view(B, Hq, Lc, v.shape[-1])
     lse = torch.where(has_keys, row_max + torch.log(safe_sum),
                       torch.full_like(row_sum, -math.inf)).squeeze(-1)
     return out, lse.to(lse_dtype)
@@ -107,8 +116,9 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
                              score_mod: ScoreMod | None = None, block_mask: BlockMask | None = None,
                              scale: float | None = None, enable_gqa: bool = False,
                              return_lse: bool = False, kernel_options=None, *,
-                             upcast: bool = True,
-                             sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                             upcast: bool = True, sinks: Tensor | None = None,
+                             descale_q: Tensor | None = None, descale_k: Tensor | None = None,
+                             descale_v: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Eager, differentiable flex_attention: softmax(score_mod(Q Kᵀ · scale), masked) V.
 
     A position is kept when its block is full, or partial and ``block_mask.mask_mod`` keeps it
@@ -129,15 +139,21 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
             before @ V), to measure torch's own error.
         sinks: (Hq,) attention-sink logits, one per query head: each joins its rows' softmax as
             one more score without a value (and the lse includes it); differentiable.
+        descale_q, descale_k, descale_v: the descale factors of float8_e4m3fn q, k, v (as
+            flex_attention takes them): the inputs are the descaled values ``x_fp8 · descale``,
+            computed in float64 with upcast (so the error against it is a kernel's own rounding);
+            without upcast in float32 with FP8 kernels' math (exp(s - max) rounded to e4m3 before
+            @ V, the sum unrounded), a bfloat16 output and float32 lse.
 
     Returns:
-        out (B, Hq, L, Dv), float64 if upcast else the input dtype; with return_lse also lse,
-        float64 if upcast else float32.
+        out (B, Hq, L, Dv), float64 if upcast else the input dtype (bfloat16 for float8 inputs);
+        with return_lse also lse, float64 if upcast else float32.
 
     Example:
         >>> golden = flex_attention_reference(q, k, v, block_mask=bm)          # float64
         >>> torch_err = flex_attention_reference(q, k, v, block_mask=bm, upcast=False)
     """
+    descales = check_fp8_inputs(query, key, value, descale_q, descale_k, descale_v, device_check=False)
     check_qkv(query, key, value, enable_gqa, dtypes=None)
     if sinks is not None:
         check_sinks(sinks, query)
@@ -159,6 +175,7 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
     if mask_mod is not None and mask_mod is not noop_mask:
         check_indices(mask_mod, "mask", B, Hq, L, S, runtime=True)
 
+    probs_dtype = None
     if upcast:
         work_dtype = out_dtype = lse_dtype = torch.float64
     else:
@@ -166,11 +183,16 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
         out_dtype, lse_dtype = query.dtype, torch.float32
     if key.shape[0] != B:
         key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)
+    if descales is not None:
+        query, key, value = (dequantize(t, d, work_dtype) for t, d in
+                             ((query, descales.q), (key, descales.k), (value, descales.v)))
+        if not upcast:
+            out_dtype, probs_dtype = OUTPUT_DTYPE, FP8_DTYPE
 
     def chunk(q_rows: Tensor, row0: int, k: Tensor, v: Tensor):
         return _attend_rows(q_rows, k, v, row0, score_mod, mask_mod, block_map,
                             block_mask.BLOCK_SIZE if block_mask is not None else None, scale,
-                            work_dtype, out_dtype, lse_dtype, sinks)
+                            work_dtype, out_dtype, lse_dtype, sinks, probs_dtype)
 
     rows_list = list(_row_chunks(L, B * Hq * S, _CHUNK_SCORES))
     # Checkpointing bounds the memory autograd keeps to one chunk of scores at a time; it re-runs

@@ -12,6 +12,7 @@ import torch
 
 from flexcore._runtime import use_interpreter
 from flexcore.errors import InputError
+from flexcore.fp8 import FP8_DTYPE, OUTPUT_DTYPE, key_major
 from flexcore.kernels import hopper, triton_compat
 from flexcore.kernels.codegen import load_kernel_module
 from flexcore.kernels.launch import (Tuned, arg_key, direct_launches, get_plan, keep_plan, launch, plan_key,
@@ -59,10 +60,11 @@ def output_strides(shape: tuple, query_strides: tuple) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def empty_output(q: torch.Tensor, head_dim_v: int) -> torch.Tensor:
-    """An uninitialised (B, Hq, L, head_dim_v) output of q's dtype in q's stride order."""
+def empty_output(q: torch.Tensor, head_dim_v: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised (B, Hq, L, head_dim_v) output of ``dtype`` (default q's) in q's stride order."""
     shape = (*q.shape[:3], head_dim_v)
-    return torch.empty_strided(shape, output_strides(shape, tuple(q.stride())), dtype=q.dtype, device=q.device)
+    return torch.empty_strided(shape, output_strides(shape, tuple(q.stride())), dtype=dtype or q.dtype,
+                               device=q.device)
 
 
 def max_scores(row_stats: torch.Tensor) -> torch.Tensor:
@@ -134,15 +136,16 @@ def _tma_allocator(size: int, alignment: int, stream):
 
 def use_tma(tensors, head_dims_padded: bool, rule: str = "auto") -> bool:
     """Whether a kernel may read ``tensors`` (B, H, rows, head dim) through tensor descriptors
-    (TMA): on Hopper and later, for 2-byte dtypes whose rows are contiguous and 16-byte aligned, at
-    power-of-two head dims. ``rule`` "on"/"off" (a policy's ``tma``) overrides the GPU check; the
+    (TMA): on Hopper and later, for 2-byte and FP8 dtypes whose rows are contiguous and 16-byte
+    aligned, at power-of-two head dims. ``rule`` "on"/"off" (a policy's ``tma``) overrides the GPU check; the
     layout is checked either way. Sets triton's scratch allocator (device-side descriptors live in
     global scratch)."""
     first = tensors[0]
     if rule != "auto":
         wanted = rule == "on"
     else:
-        wanted = (not use_interpreter() and first.is_cuda and all(t.element_size() == 2 for t in tensors)
+        wanted = (not use_interpreter() and first.is_cuda
+                  and all(t.element_size() == 2 or t.dtype == FP8_DTYPE for t in tensors)
                   and _capability_major(first.device.index or 0) >= 9)
     if not wanted or not head_dims_padded:
         return False
@@ -232,9 +235,23 @@ def q_rows_descriptor(q: torch.Tensor, tma: bool) -> int:
 _FINE_CONFIGS = {64: [(64, 64, 4, 2), (64, 64, 4, 3)], 128: [(64, 64, 4, 3), (64, 64, 4, 2)]}
 
 
+# FP8 candidates (both products on the FP8 tensor cores; K/V tiles take half the shared memory of
+# 16-bit ones, so three stages fit): a 128x128 tile needs 8 warps for the two float32 tiles (scores
+# and accumulator) to stay in registers, a 128x64 one fits 4 (docs/decisions.md#fp8-forward).
+_FP8_CONFIGS = {
+    64: [(128, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)],
+    128: [(128, 128, 8, 3), (128, 64, 4, 3), (128, 128, 8, 2), (128, 64, 8, 3)],
+    256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)],
+}
+
+
 def _candidates(head_dim_pad: int, itemsize: int, dense: bool,
-                sparse: tuple[int, int] = (128, 128)) -> list[tuple[int, int, int, int]]:
+                sparse: tuple[int, int] = (128, 128), fp8: bool = False) -> list[tuple[int, int, int, int]]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) candidates, best first."""
+    if fp8:
+        if tuple(sparse) == (64, 64):
+            return [(64, 64, 4, 3), (64, 64, 4, 2)]
+        return _FP8_CONFIGS[min((k for k in _FP8_CONFIGS if k >= head_dim_pad), default=256)]
     if dense and itemsize == 2 and head_dim_pad in _DENSE_CONFIGS:
         return _DENSE_CONFIGS[head_dim_pad]
     if tuple(sparse) == (64, 64) and itemsize == 2 and head_dim_pad in _FINE_CONFIGS:
@@ -258,7 +275,7 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
         return kernel, dict(BLOCK_M=bm, BLOCK_N=bn, **({"WARP_SPEC": True} if ws_only else {}))
     itemsize = torch.empty((), dtype=dtype).element_size()
     # ((BLOCK_M, BLOCK_N, num_warps, num_stages), warp-specialized), best first.
-    candidates = [(c, False) for c in _candidates(head_dim_pad, itemsize, dense, sparse)]
+    candidates = [(c, False) for c in _candidates(head_dim_pad, itemsize, dense, sparse, dtype == FP8_DTYPE)]
     if warp_spec and itemsize == 2:
         ws = [(c, True) for c in _DENSE_WS_CONFIGS.get(head_dim_pad, [])]
         candidates = ws if ws_only and ws else candidates + ws
@@ -326,28 +343,35 @@ def refined(blocks: BlockTensors, q, k, v, score_lowered, mask_lowered, scale: f
 
 
 def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,
-            opts: KernelOptions):
+            opts: KernelOptions, descales=None):
     """Run the forward kernel.
 
+    Args:
+        descales: a :class:`flexcore.fp8.Descales` for float8_e4m3fn q, k, v (None otherwise):
+            the FP8 path, whose output is bfloat16; V is read key-major (flexcore.fp8.key_major).
+
     Returns:
-        out (B, Hq, L, Dv) in q's dtype and q's stride order (as torch's flex_attention); lse
-        (B, Hq, L) float32 (float64 for float64 inputs, computed in float64 throughout), natural
-        log, -inf on rows without a kept key and +inf on rows with a +inf score; row_stats
+        out (B, Hq, L, Dv) in q's dtype (bfloat16 for FP8) and q's stride order (as torch's
+        flex_attention); lse (B, Hq, L) float32 (float64 for float64 inputs, computed in float64
+        throughout), natural log, -inf on rows without a kept key and +inf on rows with a +inf score; row_stats
         (2, B, Hq, L) of lse's dtype: the row max of the modded, masked scores in log2 units
         (:func:`max_scores` gives it in natural units) and 1/(row sum of exp2(s - max)), which the
         backward recomputes probabilities from.
     """
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
-    key = _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps)
+    if descales is not None:
+        v = key_major(v)
+    key = _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps, descales)
     if key is None:
         used = refined(blocks, q, k, v, score_lowered, mask_lowered, scale, opts)
-        return _forward(q, k, v, score_lowered, mask_lowered, used, scale, opts, caps)[0]
+        return _forward(q, k, v, score_lowered, mask_lowered, used, scale, opts, caps, descales)[0]
     plan = get_plan(key)
     if plan is not None:  # it holds the tables that refined chose (the key has what it read)
-        return plan(q, k, v, caps)
+        return plan(q, k, v, caps, descales)
     used = refined(blocks, q, k, v, score_lowered, mask_lowered, scale, opts)
     with recording() as record:
-        result, fixed, kv_desc = _forward(q, k, v, score_lowered, mask_lowered, used, scale, opts, caps)
+        result, fixed, kv_desc = _forward(q, k, v, score_lowered, mask_lowered, used, scale, opts, caps,
+                                          descales)
     if fixed is None:  # a Gluon kernel served the call: a repeated call goes straight to it
         keep_plan(key, _HopperPlan(scale, kv_desc), (blocks,))
         return result
@@ -357,7 +381,7 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     return result
 
 
-def _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps):
+def _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps, descales=None):
     """Everything the forward's host decisions read besides the mask tables' statistics (fixed
     for ``blocks``): see flexcore.kernels.launch's per-call plans. None where plans are off. The
     mods count by their sources and traits, not their captured tensors (which each call passes):
@@ -367,7 +391,8 @@ def _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps):
         bool(score_lowered.captured), id(blocks), q.device, q.dtype, k.dtype, v.dtype,
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
         q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, scale, opts,
-        arg_key(caps) if caps else (), refine_key(mask_lowered))
+        arg_key(caps) if caps else (), refine_key(mask_lowered),
+        None if descales is None else (descales.layout, arg_key(descales[:3])))
 
 
 class _ForwardPlan:
@@ -376,25 +401,26 @@ class _ForwardPlan:
     descriptors."""
 
     __slots__ = ("entry", "grid", "fixed", "kv_desc", "out_shape", "out_strides", "lse_shape",
-                 "stats_shape", "acc_dtype")
+                 "stats_shape", "acc_dtype", "out_dtype")
 
     def __init__(self, entry, grid, fixed, kv_desc, result):
         out, lse, row_stats = result
         self.entry, self.grid, self.fixed, self.kv_desc = entry, grid, fixed, kv_desc
         self.out_shape, self.lse_shape, self.stats_shape = out.shape, lse.shape, row_stats.shape
         self.out_strides = out.stride()  # q's stride order; q's strides are in the plan's key
-        self.acc_dtype = lse.dtype
+        self.acc_dtype, self.out_dtype = lse.dtype, out.dtype
 
-    def __call__(self, q, k, v, caps):
+    def __call__(self, q, k, v, caps, descales=None):
         device = q.device
-        out = torch.empty_strided(self.out_shape, self.out_strides, dtype=q.dtype, device=device)
+        out = torch.empty_strided(self.out_shape, self.out_strides, dtype=self.out_dtype, device=device)
         lse = torch.empty(self.lse_shape, dtype=self.acc_dtype, device=device)
         row_stats = torch.empty(self.stats_shape, dtype=self.acc_dtype, device=device)
         if self.kv_desc is not None:
             (k_rows, v_rows), block_n = self.kv_desc
             k, v = _rows_descriptor(k, k_rows, block_n), _rows_descriptor(v, v_rows, block_n)
         ensure_tma_allocator()  # per thread; cheap where set (use_tma set it on the first call)
-        self.entry.launch(self.grid, (q, k, v, out, lse, row_stats, *self.fixed, *caps))
+        scales = (lse, lse, lse) if descales is None else descales[:3]
+        self.entry.launch(self.grid, (q, k, v, out, lse, row_stats, *scales, *self.fixed, *caps))
         return out, lse, row_stats
 
 
@@ -408,7 +434,7 @@ class _HopperPlan:
         self.scale = scale
         self.masked = masked  # the masked kernel's launch with the mask's tables, or None (dense)
 
-    def __call__(self, q, k, v, caps):
+    def __call__(self, q, k, v, caps, descales=None):
         if self.masked is not None:
             return self.masked(q, k, v, caps=caps)
         return hopper.forward(q, k, v, self.scale)
@@ -459,7 +485,9 @@ def template_choice(q, k, v, score_lowered, module, blocks: BlockTensors, dense:
     sparse_q, sparse_kv = blocks.sparse_block
     q_rows = math.ceil(L / sparse_q)
     head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
-    tma = use_tma((k, v), head_dim_pad == D and head_dim_v_pad == Dv, policy.tma)
+    # FP8 reads V key-major (flexcore.fp8.key_major): its descriptor runs over V's transpose.
+    v_rows = v.transpose(2, 3) if q.dtype == FP8_DTYPE else v
+    tma = use_tma((k, v_rows), head_dim_pad == D and head_dim_v_pad == Dv, policy.tma)
     runs = policy.full_runs and not dense and blocks.full_runs(q_rows)
     # Warp specialization only without captured tensors: a score_mod that loads from one inside
     # the loop (a relative-position table) gives wrong results under it (docs/decisions.md#dense-warp-specialization).
@@ -480,7 +508,7 @@ def template_choice(q, k, v, score_lowered, module, blocks: BlockTensors, dense:
 
 
 def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,
-             opts: KernelOptions, caps: tuple):
+             opts: KernelOptions, caps: tuple, descales=None):
     """forward's decisions and launch: ((out, lse, row_stats), the integer arguments between the
     tensors and the captures, ((K rows, V rows), BLOCK_N) of host descriptors or None). Where
     flexcore.kernels.hopper serves the call: (its result, None, None for the dense kernel or the
@@ -506,7 +534,8 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
             _log.debug("forward: Gluon masked kernel (head dim %d, %s)", D, q.dtype)
             return result, None, run
     module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
-    out = empty_output(q, Dv)
+    fp8 = descales is not None
+    out = empty_output(q, Dv, OUTPUT_DTYPE if fp8 else None)
     import triton.language as tl  # after prepare_triton(): see flexcore._runtime
 
     fp64 = q.dtype == torch.float64
@@ -525,7 +554,7 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
     even_kv = S % sparse_kv == 0
     kv_rows = k_desc is not None
     full_n, full_i = blocks.full_tables()
-    upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
+    upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16, FP8_DTYPE)
     precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
 
     # The arguments are (tensors of the call, fixed, captures): a plan keeps ``fixed``.
@@ -536,9 +565,13 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
         *full_n.stride(), *full_i.stride()[:3],
         order if order is not None else blocks.num_blocks, q_rows, q_desc_rows,
         B * Hq * L, L, S, Hq, *scale_args(scale, q.dtype),
+        *(descales.layout if fp8 else (0,) * 7),
     )
+    # The descale tensors are per call, as the captures (a plan passes each call's); unread
+    # without FP8, where lse stands in for them.
+    scales = descales[:3] if fp8 else (lse, lse, lse)
     args = (q, k if k_desc is None else k_desc, v if v_desc is None else v_desc, out, lse, row_stats,
-            *fixed, *caps)
+            *scales, *fixed, *caps)
     constexprs = dict(
         GQA_GROUP=Hq // Hkv,
         HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
@@ -550,6 +583,7 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
         SCORE_IS_TRIVIAL=score_lowered.is_trivial and scale > 0, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
         ACC_DTYPE=tl.float64 if fp64 else tl.float32,
         USE_TMA=tma, USE_ORDER=order is not None, DENSE=dense, FULL_RUNS=runs, KV_ROWS=kv_rows,
+        FP8=fp8,
     )
     if order is not None:
         def grid(bm, _bn):  # one program per tile, in the order's order
