@@ -3,6 +3,7 @@
 Examples:
     python -m bench run --config tiny --out results/tiny
     python -m bench run --config anchors --out results/anchors --max-minutes 8 --resume
+    python -m bench run --config anchors --processes 3 --out results/anchors-spread   # run-to-run spread
     python -m bench run --variants causal,alibi+causal --seq 1024 --heads 8 --head-dim 64 \\
         --dtype bf16 --passes fwd --providers flexlab,sdpa_math
     python -m bench report results/anchors --out reports/anchors
@@ -11,7 +12,8 @@ Examples:
     python -m bench first-call --out results/first-call
 
 Exit status: 0 when the run measured something and every correctness check passed; 1 when no
-provider measured any case, or a check failed (``--keep-going`` accepts failed checks); 2 for bad
+provider measured any case, a check failed (``--keep-going`` accepts failed checks) or a process of
+``--processes`` failed; 2 for bad
 input (a config, a flag, a device, a results file) or an output folder that is in use or holds
 another run, each with a one-line message.
 """
@@ -97,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--force", action="store_true", help="replace a previous run in --out")
     r.add_argument("--variants", help="comma-separated variant specs (registry names, a+b, name(k=v), mods.py)")
     r.add_argument("--providers", help="comma-separated providers (see list-providers)")
-    r.add_argument("--passes", help="comma-separated: fwd, fwd_bwd, decode")
+    r.add_argument("--passes", help="comma-separated: fwd, fwd_bwd, decode, fp8, train_step")
     r.add_argument("--dtype", help="comma-separated: float32/fp32, bfloat16/bf16, float16/fp16")
     r.add_argument("--batch", help="comma-separated batch sizes")
     r.add_argument("--seq", help="comma-separated sequence lengths (Q_LEN = KV_LEN)")
@@ -119,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true", help="log one line per case instead of a bar")
     r.add_argument("--keep-going", action="store_true",
                    help="exit 0 even when correctness checks failed (the results still mark them)")
+    r.add_argument("--processes", type=_positive,
+                   help="run the grid in N fresh processes one after another (N >= 2) and report the "
+                        "run-to-run spread of each row (bench/spread.py)")
 
     p = sub.add_parser("report", help="write HTML, markdown, PNG and CSV reports of one or more runs")
     p.add_argument("results", nargs="+", help="results.json / results.csv files or run folders")
@@ -157,7 +162,7 @@ _SHAPE_FLAGS = ("batch", "seq", "q_len", "kv_len", "heads", "kv_heads", "head_di
 
 def _run(args) -> int:
     from bench import grid as grid_mod
-    from bench import runner
+    from bench import runner, spread
 
     overrides = {name: _ints(getattr(args, name), "--" + name.replace("_", "-"))
                  for name in _SHAPE_FLAGS if getattr(args, name) is not None}
@@ -189,11 +194,25 @@ def _run(args) -> int:
     if not grid.cases:
         raise grid_mod.ConfigError("the grid has no cases after the --passes/--dtype filters")
     out = Path(args.out or Path("results") / grid.name)
-    print(f"{len(grid.cases)} cases × {len(grid.providers)} providers -> {out}", file=sys.stderr)
-    path = runner.run(grid, out, device=device, resume=args.resume, force=args.force,
-                      progress=not args.no_progress)
+    if args.processes is not None and args.processes < 2:
+        raise grid_mod.ConfigError(f"--processes {args.processes}: expected an integer >= 2 (one process "
+                                   "is a plain run: leave --processes out)")
+    print(f"{len(grid.cases)} cases × {len(grid.providers)} providers"
+          + (f" × {args.processes} processes" if args.processes else "") + f" -> {out}", file=sys.stderr)
+    if args.processes:
+        path = spread.run_processes(grid, out, args.processes, device=device, resume=args.resume,
+                                    force=args.force, progress=not args.no_progress)
+    else:
+        path = runner.run(grid, out, device=device, resume=args.resume, force=args.force,
+                          progress=not args.no_progress)
     print(path)
-    result = runner.verdict(runner.load_results(path)["rows"])
+    data = runner.load_results(path)
+    rows = data["rows"]
+    if args.processes:
+        print(spread.summary_line(rows), file=sys.stderr)
+        if not data.get("complete"):  # stopped by --max-minutes: judge what the processes measured
+            rows = spread.process_rows(out)
+    result = runner.verdict(rows)
     code = result.exit_code(args.keep_going)
     print(("" if code == 0 else "error: ") + result.summary()
           + (" (--keep-going)" if args.keep_going and result.failed_checks and code == 0 else ""),
@@ -256,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.mods import VariantError
     from bench.report import ReportError
     from bench.runner import ResultsFileError, RunDirError
+    from bench.spread import SpreadError
 
     try:
         if args.command == "run":
@@ -288,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             FileExistsError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
-    except FirstCallError as exc:
+    except (FirstCallError, SpreadError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
     return 1

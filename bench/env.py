@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib.metadata
+import os
 import platform
 import socket
+import statistics
 import subprocess
 from pathlib import Path
 
@@ -53,12 +55,18 @@ def _driver() -> str | None:
     return None
 
 
-def capture(device: torch.device | str | None = None) -> dict:
+#: env key of the measured bf16 matmul peak (TFLOP/s), the roofline of the report's "% of peak".
+PEAK_KEY = "bf16_matmul_tflops"
+
+
+def capture(device: torch.device | str | None = None, *, peak: bool = False) -> dict:
     """A flat JSON-able dict describing this machine and checkout.
 
     Keys: time_utc, host, platform, python, device, gpu_name, gpu_count, gpu_memory_gb,
     compute_capability, driver, cuda, cudnn, torch, triton, flash_attn, flexlab, git_commit,
-    git_dirty, git_branch.
+    git_dirty, git_branch, cpu, plan_cache (``FLEXLAB_PLAN_CACHE`` as set, None when unset), and
+    ``bf16_matmul_tflops``: with ``peak`` on a GPU, the measured bf16 matmul peak
+    (:func:`bench.timing.matmul_peak_tflops`); None otherwise (not measured).
     """
     device = torch.device(device) if device is not None else torch.device(
         "cuda" if torch.cuda.is_available() else "cpu")
@@ -80,6 +88,8 @@ def capture(device: torch.device | str | None = None) -> dict:
         "git_dirty": None,
         "git_branch": _git("rev-parse", "--abbrev-ref", "HEAD"),
         "cpu": platform.processor() or platform.machine(),
+        "plan_cache": os.environ.get("FLEXLAB_PLAN_CACHE"),
+        PEAK_KEY: None,
     }
     status = _git("status", "--porcelain", "--untracked-files=no")
     info["git_dirty"] = None if status is None else bool(status)
@@ -92,7 +102,21 @@ def capture(device: torch.device | str | None = None) -> dict:
             info["cudnn"] = torch.backends.cudnn.version()
         except Exception:
             pass
+        if peak:
+            from bench.timing import PEAK_MATMUL_SIZE, matmul_peak_tflops
+
+            info[PEAK_KEY] = round(matmul_peak_tflops(device), 1)
+            info["peak_method"] = (f"torch.matmul bf16 {PEAK_MATMUL_SIZE}x{PEAK_MATMUL_SIZE}x"
+                                   f"{PEAK_MATMUL_SIZE}, median time")
     return info
+
+
+def peak_tflops(envs: list) -> float | None:
+    """The measured bf16 matmul peak of a run's environments (the median over its segments and
+    processes that measured one), or None where none did (CPU runs, older results)."""
+    values = [e[PEAK_KEY] for e in envs or [] if isinstance(e, dict)
+              and isinstance(e.get(PEAK_KEY), (int, float)) and e[PEAK_KEY] > 0]
+    return statistics.median(values) if values else None
 
 
 def label(env: dict) -> str:

@@ -5,11 +5,15 @@
 - ``report.html``: self-contained (plotly's JavaScript inlined, no network): speed-up bars per
   variant, TFLOP/s against sequence length, the summary, error and status tables, the environments.
   Without plotly the same page embeds the matplotlib PNGs instead.
-- ``summary.md``: the summary table (TFLOP/s and median ms per provider) and the error table.
+- ``summary.md``: the summary table (TFLOP/s, its fraction of the GPU's measured bf16 matmul peak,
+  and median ms per provider), the run-to-run spread of a run of several processes, and the
+  error table.
 - ``figures/*.png``: matplotlib figures.
 - ``results.csv``: every row of every input, with a ``source`` column naming its run.
 
-Several inputs (two GPUs, two commits) are compared side by side: each is a ``source``.
+Several inputs (two GPUs, two commits) are compared side by side: each is a ``source``. A run of
+several processes (``run --processes N``, bench.spread) shows the median over its processes in each
+cell, and the spread of the processes' median times in a table of its own.
 """
 from __future__ import annotations
 
@@ -19,16 +23,20 @@ import io
 import math
 import os
 import shutil
+import statistics
 import tempfile
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import env as env_mod
+from bench import spread as spread_mod
 from bench.runner import COLUMNS, load_results
+from bench.timing import PEAK_MATMUL_SIZE
 
-PASS_LABELS = {"fwd": "forward", "fwd_bwd": "forward+backward", "decode": "decode",
+PASS_LABELS = {"fwd": "forward", "fp8": "FP8 forward (float8_e4m3fn in, bfloat16 out)",
+               "fwd_bwd": "forward+backward", "decode": "decode",
                "train_step": "train step (block forward+backward)"}
 _BASELINE_ORDER = ("torch_flex", "sdpa_cudnn", "sdpa_flash", "sdpa_math")
 
@@ -55,11 +63,14 @@ class Source:
 
 @dataclass
 class Cell:
-    """A (source, case, provider): its metrics and status."""
+    """A (source, case, provider): its metrics and status. In a run of several processes each
+    metric is the median over the processes, and ``process_times`` holds each process's median
+    time (ms) by process number."""
 
     metrics: dict
     status: str
     note: str
+    process_times: dict = field(default_factory=dict)
 
 
 def load_sources(paths, labels=None) -> list[Source]:
@@ -97,6 +108,7 @@ def build_cells(sources: list[Source]) -> tuple[dict, list[tuple], list[str]]:
     """{(source, case_key, provider): Cell}, the sorted case keys, the providers in first-seen order."""
     cells: dict = {}
     cases, providers = {}, {}
+    by_process = defaultdict(list)  # (cell key, metric) -> the values of a run's processes
     for s in sources:
         for row in s.rows:
             key = _case_key(row)
@@ -104,18 +116,27 @@ def build_cells(sources: list[Source]) -> tuple[dict, list[tuple], list[str]]:
             provider = row["provider"]
             if provider != "baseline":
                 providers.setdefault(provider, True)
-            cell = cells.setdefault((s.label, key, provider), Cell({}, "ok", ""))
+            cell_key = (s.label, key, provider)
+            cell = cells.setdefault(cell_key, Cell({}, "ok", ""))
             if row["metric"] == "status":
                 cell.status, cell.note = row["status"], row.get("note") or ""
             else:
                 cell.metrics[row["metric"]] = row["value"]
+                process = row.get("process")
+                if process is not None and isinstance(row["value"], (int, float)):
+                    by_process[(cell_key, row["metric"])].append(row["value"])
+                    if row["metric"] == "time_ms" and row["status"] == "ok":
+                        cell.process_times[int(process)] = row["value"]
                 if row["status"] == "fail":
                     cell.metrics.setdefault("_fails", []).append(row["metric"])
                 elif row["status"] in ("error", "unsupported") and row["metric"].endswith("_correct"):
                     cell.metrics.setdefault("_errors", []).append(f"{row['metric']}: {row.get('note')}")
                 if row["metric"] in ("time_ms", "compile_s") and row.get("note"):
                     cell.metrics.setdefault("_note", row["note"])
-    order = {"fwd": 0, "fwd_bwd": 1, "decode": 2, "train_step": 3}
+    for (cell_key, metric), values in by_process.items():
+        if len(values) > 1:
+            cells[cell_key].metrics[metric] = statistics.median(values)
+    order = {"fwd": 0, "fp8": 0.5, "fwd_bwd": 1, "decode": 2, "train_step": 3}
     variant_order = {}
     for s in sources:
         for row in s.rows:
@@ -142,7 +163,22 @@ def _fmt(value, digits=3) -> str:
     return f"{value:.{digits}g}"
 
 
-def _cell_text(cell: Cell | None) -> str:
+#: Rows read against the bf16 matmul peak: 16-bit inputs (fp16 runs on the same tensor cores at
+#: the same rate) in the attention passes; float32 rows and train steps have other ceilings.
+ROOFLINE_DTYPES = ("bfloat16", "float16")
+ROOFLINE_PASSES = ("fwd", "fwd_bwd", "decode")
+
+
+def peak_fraction(tflops, peak) -> float | None:
+    """A row's TFLOP/s as a fraction of the measured peak, or None without either."""
+    if tflops is None or not peak:
+        return None
+    return tflops / peak
+
+
+def _cell_text(cell: Cell | None, peak: float | None = None) -> str:
+    """``TFLOP/s (median ms)``, with the fraction of ``peak`` (the GPU's measured bf16 matmul
+    TFLOP/s, None where it does not apply) as ``TFLOP/s (xx%, median ms)``."""
     if cell is None:
         return ""
     if cell.status != "ok":
@@ -151,8 +187,11 @@ def _cell_text(cell: Cell | None) -> str:
     tokens = cell.metrics.get("tokens_per_s")
     if t is None:
         return "—"
+    fraction = peak_fraction(tf, peak)
     if tokens is not None:  # a train step: throughput is what training cares about
         text = f"{_fmt(tokens / 1e3)}k tok/s ({_fmt(t)} ms)"
+    elif fraction is not None:
+        text = f"{_fmt(tf)} ({100 * fraction:.0f}%, {_fmt(t)} ms)"
     else:
         text = f"{_fmt(tf)} ({_fmt(t)} ms)" if tf is not None else f"{_fmt(t)} ms"
     if cell.metrics.get("_fails"):
@@ -160,9 +199,21 @@ def _cell_text(cell: Cell | None) -> str:
     return text
 
 
+def source_peaks(sources) -> dict[str, float | None]:
+    """{source label: its GPU's measured bf16 matmul peak in TFLOP/s, or None (not measured)}."""
+    return {s.label: env_mod.peak_tflops(s.envs) for s in sources}
+
+
+def _roofline(key: tuple) -> bool:
+    return key[2] in ROOFLINE_DTYPES and key[1] in ROOFLINE_PASSES
+
+
 def summary_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[str]]]:
-    """Header and rows of the summary table: TFLOP/s (median ms) per source × provider, then
-    flexlab's speed-up over each other timed provider (their median time ÷ flexlab's)."""
+    """Header and rows of the summary table: TFLOP/s (fraction of the measured peak, median ms)
+    per source × provider, then flexlab's speed-up over each other timed provider (their median
+    time ÷ flexlab's). The fraction appears where the source measured a peak (GPU runs) and the
+    row is a 16-bit attention pass (ROOFLINE_DTYPES, ROOFLINE_PASSES)."""
+    peaks = source_peaks(sources)
     multi = len(sources) > 1
     columns = [(s.label, p) for s in sources for p in providers
                if any((s.label, k, p) in cells for k in keys)]
@@ -174,7 +225,8 @@ def summary_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[
     rows = []
     for key in keys:
         row = [key[0], _shape_text(key), key[2], key[1]]
-        row += [_cell_text(cells.get((s, key, p))) for s, p in columns]
+        row += [_cell_text(cells.get((s, key, p)), peaks.get(s) if _roofline(key) else None)
+                for s, p in columns]
         for s, p in ratios:
             mine, theirs = _time(cells.get((s, key, RATIO_PROVIDER))), _time(cells.get((s, key, p)))
             row.append(f"{theirs / mine:.2f}×" if mine and theirs else "")
@@ -188,6 +240,48 @@ RATIO_PROVIDER = "flexlab"
 
 def _time(cell: Cell | None):
     return cell.metrics.get("time_ms") if cell is not None and cell.status == "ok" else None
+
+
+def spread_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of the run-to-run spread table: per case, and per source × provider whose
+    cells hold the times of several processes, max/min - 1 of the processes' median times
+    (bench.spread.spread), marked ⚠ above bench.spread.SPREAD_LIMIT. No rows where no source is
+    a run of several processes."""
+    multi = len(sources) > 1
+    columns = [(s.label, p) for s in sources for p in providers
+               if any(len(getattr(cells.get((s.label, k, p)), "process_times", {})) > 1 for k in keys)]
+    header = ["variant", "shape", "dtype", "pass"] + [f"{p} [{s}]" if multi else p for s, p in columns]
+    rows = []
+    for key in keys:
+        texts = []
+        for s, p in columns:
+            cell = cells.get((s, key, p))
+            value = spread_mod.spread(cell.process_times.values()) if cell is not None else None
+            texts.append("" if value is None else spread_mod.spread_text(value))
+        if any(texts):
+            rows.append([key[0], _shape_text(key), key[2], key[1]] + texts)
+    return header, rows
+
+
+def _process_count(cells) -> int:
+    return max((len(c.process_times) for c in cells.values()), default=0)
+
+
+def _cells_note(sources) -> str:
+    """The summary table's legend: what a cell holds, and where the peak fraction comes from."""
+    peaks = source_peaks(sources)
+    measured = [f"{label}: {peak:.0f} TFLOP/s" for label, peak in peaks.items() if peak]
+    text = ("Cells: TFLOP/s (% of the GPU's measured bf16 matmul peak, median ms); FLOPs as in "
+            "docs/benchmark-method.md (bench.flops.attention_flops); train steps: thousands of "
+            "tokens/s (median ms). ")
+    if measured:
+        text += (f"Peak: torch.matmul bf16 {PEAK_MATMUL_SIZE}³, median time ({'; '.join(measured)}); "
+                 "the fraction is shown for bf16/fp16 rows. ")
+    if len(measured) < len(peaks):
+        text += ("No % of peak for " + ", ".join(label for label, peak in peaks.items() if not peak)
+                 + ": no bf16 matmul peak measured there (a CPU run, or results older than the "
+                 "measurement). ")
+    return text + "✗ marks a correctness failure."
 
 
 def error_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[str]]]:
@@ -493,6 +587,7 @@ def _build_report(sources: list[Source], out_dir: Path, baseline: str | None) ->
     if len(sources) == 1:  # one run: the source column says nothing
         e_header, e_rows = e_header[1:], [r[1:] for r in e_rows]
     st_header, st_rows = status_rows(sources, cells, keys, providers)
+    sp_header, sp_rows = spread_rows(sources, cells, keys, providers)
     written = []
 
     combined = [{**row, "source": s.label} for s in sources for row in s.rows]
@@ -505,11 +600,10 @@ def _build_report(sources: list[Source], out_dir: Path, baseline: str | None) ->
     written += pngs
 
     title = "flexlab benchmark: " + " vs ".join(s.label for s in sources)
-    md = [f"# {title}", "",
-          "Cells: TFLOP/s (median ms); FLOPs as in docs/benchmark-method.md (bench.flops.attention_flops); "
-          "train steps: thousands of tokens/s (median ms). "
-          "✗ marks a correctness failure.", "", markdown_table(s_header, s_rows), "",
-          "## Errors against float64", "", markdown_table(e_header, e_rows), ""]
+    md = [f"# {title}", "", _cells_note(sources), "", markdown_table(s_header, s_rows), ""]
+    if sp_rows:
+        md += ["## Run-to-run spread", "", _spread_note(cells), "", markdown_table(sp_header, sp_rows), ""]
+    md += ["## Errors against float64", "", markdown_table(e_header, e_rows), ""]
     if st_rows:
         md += ["## Providers that did not run", "", markdown_table(st_header, st_rows), ""]
     md_path = out_dir / "summary.md"
@@ -535,7 +629,10 @@ def _build_report(sources: list[Source], out_dir: Path, baseline: str | None) ->
         f"<p class='note'>Speed-ups are relative to <b>{html.escape(str(base))}</b> in the same run. "
         f"{figure_note}</p>",
         "<h2>Figures</h2>", *fragments,
-        "<h2>Summary: TFLOP/s (median ms)</h2>", html_table(s_header, s_rows),
+        "<h2>Summary: TFLOP/s (% of peak, median ms)</h2>",
+        f"<p class='note'>{html.escape(_cells_note(sources))}</p>", html_table(s_header, s_rows),
+        *([f"<h2>Run-to-run spread</h2><p class='note'>{html.escape(_spread_note(cells))}</p>",
+           html_table(sp_header, sp_rows)] if sp_rows else []),
         "<h2>Errors against float64</h2>",
         "<p class='note'>pass iff max abs error ≤ 2 × the same-dtype baseline's + eps(dtype); "
         "the baseline is SDPA math, or flexcore's reference with upcast=False where SDPA cannot "
@@ -568,12 +665,23 @@ def _write_combined_csv(path: Path, rows: list[dict]) -> None:
     _write_text(path, buf.getvalue())
 
 
+def _spread_note(cells) -> str:
+    return (f"max/min - 1 of the median times measured by {_process_count(cells)} separate processes, "
+            f"one after another (python -m bench run --processes N); ⚠ marks a spread above "
+            f"{100 * spread_mod.SPREAD_LIMIT:.0f}%.")
+
+
 def summary_markdown(results, labels=None) -> str:
-    """The summary table (TFLOP/s and median ms per provider) of one or more results, as markdown."""
+    """The summary table (TFLOP/s, % of peak and median ms per provider) of one or more results,
+    as markdown, followed by the run-to-run spread table of a run of several processes."""
     sources = load_sources(list(results) if not isinstance(results, (str, os.PathLike)) else [results],
                            labels)
     cells, keys, providers = build_cells(sources)
-    return markdown_table(*summary_rows(sources, cells, keys, providers))
+    text = markdown_table(*summary_rows(sources, cells, keys, providers))
+    sp_header, sp_rows = spread_rows(sources, cells, keys, providers)
+    if sp_rows:
+        text += "\n\n## Run-to-run spread\n\n" + _spread_note(cells) + "\n\n" + markdown_table(sp_header, sp_rows)
+    return text
 
 
 def print_summary(results, labels=None) -> None:

@@ -65,6 +65,8 @@ class Row:
             unavailable on this machine), ``unsupported`` (cannot express the case), ``error``.
         note: reason of a status, how the variant was expressed, the tolerance rule.
         ref_coverage: slices of the output checked against float64: ``all`` or ``b0/h0:2;...``.
+        process: in a run of several processes (``run --processes N``, bench.spread), which one
+            measured the row (1 to N); None in a run of one process.
     """
 
     run_id: str
@@ -87,6 +89,7 @@ class Row:
     status: str
     note: str = ""
     ref_coverage: str = ""
+    process: int | None = None
 
     def to_dict(self) -> dict:
         """The row keyed by CSV column, in column order."""
@@ -674,7 +677,7 @@ def _run_locked(grid: Grid, out_dir: Path, device: torch.device, resume: bool, f
     done = {e["case_id"] for e in existing}
     run_id = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
     _atomic_write(out_dir / "config.json", json.dumps(grid.to_dict(), indent=2))
-    env = {"run_id": run_id, **env_mod.capture(device)}
+    env = {"run_id": run_id, **env_mod.capture(device, peak=True)}
     env_path = out_dir / "env.json"
     envs = _read_envs(env_path) if resume else []
     _atomic_write(env_path, json.dumps({"runs": envs + [env]}, indent=2))
@@ -692,7 +695,8 @@ def _run_locked(grid: Grid, out_dir: Path, device: torch.device, resume: bool, f
     try:
         with open(out_dir / "rows.jsonl", "a") as jsonl:
             for i, case in enumerate(todo):
-                if limit and time.monotonic() - started > limit:
+                # Each invocation runs at least one case, so that --resume always makes progress.
+                if limit and i and time.monotonic() - started > limit:
                     stopped_early = len(todo) - i
                     break
                 if progress is not None:
@@ -793,7 +797,7 @@ def finalize(out_dir: Path, grid: Grid | None = None) -> Path:
 #: Columns a results row must have for the reports: the case, the provider and the measurement.
 REQUIRED_COLUMNS = ("variant", "batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "dtype",
                     "pass", "provider", "metric", "value", "status")
-_INT_COLUMNS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "v_head_dim")
+_INT_COLUMNS = ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim", "v_head_dim", "process")
 
 
 def _check_rows(path: Path, rows) -> list[dict]:

@@ -179,6 +179,30 @@ def capture_graphs(fn: Callable[[int], object], n_sets: int, device: torch.devic
     return graphs
 
 
+#: The square size of the matmul whose throughput is a GPU's measured peak: large enough that
+#: every SM runs full tiles for milliseconds, as in vendors' dense-matmul figures.
+PEAK_MATMUL_SIZE = 8192
+
+
+def matmul_peak_tflops(device: torch.device | str, size: int = PEAK_MATMUL_SIZE,
+                       dtype: torch.dtype = torch.bfloat16, rep_ms: float = 200.0) -> float | None:
+    """Measured peak of ``device``: TFLOP/s of ``torch.matmul`` on (size, size) ``dtype``
+    matrices, ``2·size³`` FLOPs over the median time of :func:`time_call` (warm-up first, then
+    ``rep_ms`` of repetitions between CUDA events). None on the CPU (not measured: a CPU has no
+    tensor-core peak that attention rows could be read against)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=gen)
+    out = torch.empty(size, size, device=device, dtype=dtype)
+    timing = time_call(lambda i: torch.matmul(a, b, out=out), 1, device, warmup_ms=100, rep_ms=rep_ms,
+                       min_reps=10, max_reps=200)
+    del a, b, out
+    return 2.0 * size ** 3 / (timing.median_ms * 1e-3) / 1e12
+
+
 def time_first_call(fn: Callable[[], object], device: torch.device) -> float:
     """Seconds of one synchronised call: the first call of a provider holds its compile time."""
     synchronize(device)

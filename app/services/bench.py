@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -75,16 +76,23 @@ def short_variant(variant: str) -> str:
 
 
 def timing_table(results: dict, label: str) -> list[dict]:
-    """Long-form rows of time_ms / tflops per case and provider, tagged with ``label``."""
-    out = []
+    """Long-form rows of time_ms / tflops per case and provider, tagged with ``label``. A run of
+    several processes (``--processes N``) gives the median of its processes' values."""
+    values: dict[tuple, list[float]] = {}
+    first: dict[tuple, dict] = {}
     for r in results.get("rows", []):
         timed = r.get("metric") in ("time_ms", "tflops") and r.get("status") == "ok"
         if timed and r.get("value") is not None:
-            variant = short_variant(str(r["variant"]))
-            case = str(r["case_id"]).replace(str(r["variant"]), variant, 1)
-            out.append({"file": label, "case": case, "variant": variant,
-                        "provider": provider_label(r["provider"]), "metric": r["metric"],
-                        "value": float(r["value"]), "dtype": r["dtype"], "pass": r.get("pass")})
+            key = (r["case_id"], r["provider"], r["metric"])
+            values.setdefault(key, []).append(float(r["value"]))
+            first.setdefault(key, r)
+    out = []
+    for key, r in first.items():
+        variant = short_variant(str(r["variant"]))
+        case = str(r["case_id"]).replace(str(r["variant"]), variant, 1)
+        out.append({"file": label, "case": case, "variant": variant,
+                    "provider": provider_label(r["provider"]), "metric": r["metric"],
+                    "value": statistics.median(values[key]), "dtype": r["dtype"], "pass": r.get("pass")})
     return out
 
 

@@ -31,6 +31,7 @@ import torch
 from flexcore._runtime import capturing, use_interpreter
 from flexcore.errors import InputError
 from flexcore.kernels import hopper
+from flexcore.kernels.choice import choose, time_candidates
 from flexcore.kernels.codegen import HEADER, cached_module, cap_list, fill_template, read_template
 from flexcore.kernels.forward import (check_tile, ensure_tma_allocator, fit_tile, pad_head_dim, q_rows_descriptor,
                                       scale_args, use_tma)
@@ -108,7 +109,7 @@ _split: set = set()
 _layout_choice: dict = {}
 
 
-def _tune_layout(key, run_fused, run_split, grad_buffers) -> bool:
+def _tune_layout(key, run_fused, run_split, grad_buffers, rule) -> bool:
     """Time one launch against two for this kernel and size bucket, remember the faster, and leave
     the gradients to the caller's next run. One launch is usually faster (a single tail, both kinds
     of program on the GPU at once), but a score_mod with a long derivative chain can lose more to the
@@ -116,18 +117,16 @@ def _tune_layout(key, run_fused, run_split, grad_buffers) -> bool:
     nothing is timed: one launch, and tuning at the next call outside a capture."""
     if capturing():
         return True
-    from triton.testing import do_bench
-
     if not run_fused():  # also compiles it
         _layout_choice[key] = False
         return False
     run_split()
-    fused_ms = do_bench(run_fused, warmup=1, rep=25, return_mode="median")
-    split_ms = do_bench(run_split, warmup=1, rep=25, return_mode="median")
+    # One launch is preferred: it keeps the choice unless two are faster beyond the tie tolerance.
+    times = time_candidates([run_fused, run_split], rule)
     for buf in grad_buffers:  # the timed runs added captured-tensor gradients again and again
         buf.zero_()
-    _layout_choice[key] = choice = fused_ms <= split_ms
-    return choice
+    _layout_choice[key] = fused = choose(times, rule.tolerance) == 0
+    return fused
 
 
 def _head_dim_key(head_dim_pad: int) -> int:
@@ -594,7 +593,8 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
             layout_key = (config_key, *(max(n, 1).bit_length() for n in (L, S, B * Hkv)))
             fused = _layout_choice.get(layout_key)
             if fused is None:
-                fused = _tune_layout(layout_key, run_fused, run_split, list(grad_buffers.values()))
+                fused = _tune_layout(layout_key, run_fused, run_split, list(grad_buffers.values()),
+                                     policy.launch.tune)
     ran_fused = bool(fused) and run_fused()
     if not ran_fused:
         run_split()

@@ -14,12 +14,17 @@ kernel is loaded, so a launch that runs out is retried with the next smaller con
 configuration that worked is remembered for the same kernel and constexprs.
 
 Autotuned candidates. triton's autotuner compiles each configuration as it first times it, one after
-another; :class:`Tuned` compiles them all at once first, in threads (:func:`compile_threads`).
+another; :class:`Tuned` compiles them all at once first, in threads (:func:`compile_threads`), has
+the autotuner time them over several rounds and keeps the earliest candidate within a tolerance of
+the fastest (flexcore.kernels.choice); the choice is persisted per GPU and versions, and a later
+process launches it without compiling or timing the others.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
+import json
+import math
 import os
 import threading
 import warnings
@@ -29,7 +34,9 @@ from typing import Callable, Iterator
 import torch
 
 from flexcore._runtime import capturing, use_interpreter
+from flexcore.kernels import choice as choice_mod
 from flexcore.kernels import triton_compat
+from flexcore.kernels.choice import ChoiceCache, Timer, TuneRule
 from flexcore.kernels.policy import LaunchPolicy
 
 _fallback_cache: dict = {}
@@ -271,11 +278,13 @@ def launch(kernel, grid: Callable[[int, int], tuple], args: tuple, bm: int, bn: 
 
 
 class Tuned:
-    """A triton autotuner whose choices are remembered on the host.
+    """A triton autotuner's configurations, chosen between here and remembered on the host.
 
-    The first call for a key autotunes (the autotuner times its configurations); later calls
-    launch the chosen configuration on the kernel directly. That skips the autotuner's per-call
-    work over every argument, which costs more than a decoding step's kernel on the GPU.
+    The first call for a key chooses a configuration (:meth:`tune`: timings over several rounds,
+    the tie rule of flexcore.kernels.choice, the persisted choice cache); later calls launch the chosen
+    configuration on the kernel directly. That skips the autotuner's per-call work over every
+    argument, which costs more than a decoding step's kernel on the GPU. The autotuner object
+    supplies the configurations (in preference order), the kernel and its hooks.
     """
 
     def __init__(self, tuner, fit: Callable[[tuple, dict], None] | None = None):
@@ -286,8 +295,10 @@ class Tuned:
 
     def launch(self, grid, args: tuple, kwargs: dict, key: tuple = (),
                policy: LaunchPolicy = _DEFAULT) -> None:
-        """``tuner[grid](*args, **kwargs)``; ``key`` holds the values of the tuner's ``key`` arguments
-        (the dtypes of the tensor arguments are added here, as the autotuner does)."""
+        """``tuner[grid](*args, **kwargs)`` with the configuration chosen by :meth:`tune` for
+        ``key``: the values of the tuner's ``key`` arguments (the dtypes of the tensor arguments
+        are added here, as the autotuner does). The policy's ``tune`` rule (a
+        :class:`flexcore.kernels.choice.TuneRule`) says how."""
         direct = _direct_key(self, args, tuple(kwargs.items()), key, policy)
         entry = _entry(direct, self)
         if entry is not None:  # extra: the constexprs and options of the tuned configuration
@@ -305,9 +316,10 @@ class Tuned:
             # tuned configuration into the graph).
             config = self.tuner.configs[0]
         elif config is None:
-            self._compile_configs(grid, args, kwargs, policy.compile_threads)
-            self.tuner[grid](*args, **kwargs)
-            self.chosen[full_key] = self.tuner.best_config
+            rule = tune_rule(policy)
+            self.chosen[full_key] = self.tune(grid, args, kwargs, full_key, rule,
+                                              cache=choice_mod.cache_for(rule),
+                                              threads=policy.compile_threads)
             _record_launch(None, None)  # tuned: nothing to launch directly yet
             return
         full = {**kwargs, **config.all_kwargs()}
@@ -318,6 +330,43 @@ class Tuned:
         if tuned:
             _remember(direct, self.tuner.fn, compiled, args, full, full, owner=self)
         _record_launch(_entry(direct, self) if tuned else None, grid(full) if callable(grid) else grid)
+
+    def tune(self, grid, args: tuple, kwargs: dict, full_key=(), rule: TuneRule = choice_mod.DEFAULT_RULE,
+             *, timer: Timer | None = None, cache: ChoiceCache | None = None, threads: int | None = None):
+        """Run the call with a configuration chosen for these arguments and return that
+        configuration: the one ``cache`` holds for this kernel and problem (:func:`choice_key`),
+        launched through triton (the others are not compiled); else every configuration is
+        compiled (concurrently, ``threads`` as :func:`compile_threads`), the autotuner times them
+        with ``rule``'s benchmark (flexcore.kernels.choice.benchmark: ``rule.rounds`` rounds,
+        median) and runs its fastest, and the kept configuration is the earliest within
+        ``rule.tolerance`` of the fastest (flexcore.kernels.choice.choose), which is stored in
+        ``cache``. ``timer``: see flexcore.kernels.choice.Timer (tests pass timings through it)."""
+        configs = list(self.tuner.configs)
+        key = choice_key(self.tuner.fn, configs, full_key, args, kwargs) if cache is not None else None
+        found = _cached_config(cache.get(key), configs) if cache is not None else None
+        if found is not None:
+            full = {**kwargs, **found.all_kwargs()}
+            if self.fit is not None:
+                self.fit(args, full)
+            self.tuner.fn[grid](*args, **full)
+            return found
+        self._compile_configs(grid, args, kwargs, threads)
+        # triton's Autotuner reads its benchmark from this attribute (its ``do_bench`` argument).
+        self.tuner.do_bench = choice_mod.benchmark(rule, timer)
+        self.tuner.configs_timings = None
+        getattr(self.tuner, "cache", {}).clear()  # its own earlier choices: this call times afresh
+        self.tuner[grid](*args, **kwargs)
+        timings = getattr(self.tuner, "configs_timings", None)
+        if not isinstance(timings, dict) or not timings:  # nothing timed: the autotuner's own choice
+            return self.tuner.best_config
+        times = [_median_ms(timings.get(c)) for c in configs]
+        index = choice_mod.choose(times, rule.tolerance)
+        if cache is not None:
+            stored = cache.put(key, {"index": index, "config": str(configs[index]),
+                                     "times_ms": [t if math.isfinite(t) else None for t in times],
+                                     "tolerance": rule.tolerance})
+            return _cached_config(stored, configs) or configs[index]
+        return configs[index]
 
     def _compile_configs(self, grid, args: tuple, kwargs: dict, threads: int | None = None) -> None:
         """Compile every configuration the autotuner is about to time, concurrently (triton's
@@ -343,6 +392,51 @@ class Tuned:
                     self.tuner.fn.warmup(*args, grid=grid, **full)
                 except Exception:  # left to the autotuner (see above)
                     pass
+
+
+def tune_rule(policy: LaunchPolicy) -> TuneRule:
+    """The timing and tie rule of ``policy``."""
+    return policy.tune
+
+
+def _median_ms(timing) -> float:
+    """The median of an autotuner timing ([median, p20, p80] or one number); inf where absent."""
+    if isinstance(timing, (list, tuple)):
+        timing = timing[0] if timing else None
+    return float(timing) if isinstance(timing, (int, float)) else math.inf
+
+
+def choice_key(fn, configs, full_key, args: tuple, kwargs: dict) -> str:
+    """The text a persisted choice is kept under: the kernel (name and triton's hash of its source
+    and dependencies), its configurations in order, the tuning key and the problem (each tensor's
+    dtype, shape and strides, each descriptor's base, shape and strides, the other arguments' values,
+    the constexprs)."""
+    def describe(a):
+        if isinstance(a, torch.Tensor):
+            return ("tensor", str(a.dtype), tuple(a.shape), a.stride())
+        if type(a).__name__ == "TensorDescriptor":
+            return ("descriptor", str(a.base.dtype), tuple(a.base.shape), tuple(a.shape), tuple(a.strides))
+        if a is None or isinstance(a, (bool, int, float, str)):
+            return a
+        return type(a).__name__
+
+    base = fn
+    while not hasattr(base, "cache_key") and hasattr(base, "fn"):
+        base = base.fn
+    name = getattr(getattr(base, "fn", base), "__name__", type(base).__name__)
+    parts = [name, str(getattr(base, "cache_key", "")), [str(c) for c in configs], repr(full_key),
+             [describe(a) for a in args], sorted((k, repr(describe(v))) for k, v in kwargs.items())]
+    return json.dumps(parts, default=repr)
+
+
+def _cached_config(entry: dict | None, configs: list):
+    """The configuration a persisted entry names, where it still names one of ``configs``."""
+    if not entry:
+        return None
+    index = entry.get("index")
+    if isinstance(index, int) and 0 <= index < len(configs) and str(configs[index]) == entry.get("config"):
+        return configs[index]
+    return None
 
 
 _pool = None  # the executor, made on first use; False where there is none

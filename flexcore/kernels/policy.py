@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from flexcore.errors import InputError
+from flexcore.kernels.choice import TuneRule
 
 Switch = Literal["auto", "on", "off"]
 Backend = Literal["auto", "triton", "gluon"]
@@ -163,6 +164,8 @@ class LaunchPolicy:
     #: Threads that compile an autotuner's configurations; None: $FLEXLAB_COMPILE_THREADS, else the
     #: host's cores up to 8; 0 or 1: one at a time.
     compile_threads: int | None = None
+    #: How timed candidates are compared and remembered (repetitions, tie rule, plan cache).
+    tune: TuneRule = TuneRule()
 
     def __post_init__(self):
         _check_fields(self)
@@ -233,3 +236,25 @@ def resolve(backend: str, policy: DispatchPolicy | None) -> DispatchPolicy:
                              f"with Gluon's Hopper API: {reason}. Valid backends here: 'auto' or "
                              f"'triton'")
     return policy.replace(gluon=dict(dense=wanted, masked=wanted, backward=wanted))
+
+
+def fp8_policy(policy: DispatchPolicy) -> DispatchPolicy:
+    """The policy of a float8_e4m3fn call (the policy the kernels read, ``KernelOptions.dispatch``):
+    the Triton forward template serves it, with K/V descriptors made per program.
+
+    - The Gluon kernels are off: they are scheduled for 16-bit wgmma operands (P·V reads V in its
+      natural layout, which FP8 tensor cores cannot: both FP8 operands must be K-major), while the
+      template takes FP8 with one constexpr and V laid out key-major by the host.
+    - ``forward.kv_rows`` and ``forward.warp_spec`` are off: both read V row-major through one
+      descriptor over all rows, and FP8 reads V key-major.
+
+    InputError where the policy forces a Gluon kernel (``backend='gluon'`` or a gluon field "on").
+    """
+    forced = [name for name in ("dense", "masked", "backward") if getattr(policy.gluon, name) == "on"]
+    if forced:
+        raise InputError(f"float8_e4m3fn inputs run on the Triton forward template, but the Gluon "
+                         f"kernels were required (kernel_options backend='gluon' or policy.gluon."
+                         f"{forced[0]}='on'): the Gluon kernels take bfloat16/float16 only. Use "
+                         f"backend 'auto' or 'triton' for FP8")
+    return policy.replace(gluon=dict(dense="off", masked="off", backward="off"),
+                          forward=dict(kv_rows="off", warp_spec="off"))

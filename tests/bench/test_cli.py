@@ -78,3 +78,30 @@ def test_forward_entry_is_the_anchors_forward_grid():
     grid = forward.build(forward.build_parser().parse_args(["--decode", "--variants", "causal,noop"]))
     # --variants replaces the variants of every group, the decode rows included.
     assert {(c.variant, c.pass_) for c in grid.cases} == {(v, p) for v in ("causal", "noop") for p in ("fwd", "decode")}
+
+
+def test_processes_flag_runs_the_grid_in_several_processes(monkeypatch, tmp_path, capsys):
+    import pytest
+
+    from bench import runner, spread
+    seen = {}
+
+    def fake_run_processes(grid, out, processes, **kwargs):
+        seen.update(grid=grid, out=out, processes=processes, **kwargs)
+        raise _Stop
+
+    def plain_run(*a, **k):
+        raise AssertionError("a run of several processes must not run in this process")
+
+    monkeypatch.setattr(spread, "run_processes", fake_run_processes)
+    monkeypatch.setattr(runner, "run", plain_run)
+    with pytest.raises(_Stop):
+        main(["run", "--config", "tiny", "--processes", "3", "--device", "cpu", "--out", str(tmp_path / "s"),
+              "--resume"])
+    assert seen["processes"] == 3 and seen["out"] == tmp_path / "s" and seen["resume"] is True
+    assert seen["device"].type == "cpu" and seen["grid"].name == "tiny"
+    assert main(["run", "--config", "tiny", "--processes", "1", "--out", str(tmp_path / "one")]) == 2
+    assert "--processes 1: expected an integer >= 2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--config", "tiny", "--processes", "0", "--out", str(tmp_path / "zero")])
+    assert exited.value.code == 2 and "'0' is not a positive integer" in capsys.readouterr().err

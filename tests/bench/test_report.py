@@ -140,3 +140,62 @@ def test_report_reads_an_unfinished_run(tmp_path):
     (out / "rows.jsonl").write_text(lines[0] + "\n" + lines[1][:20])
     report.write_report(out, tmp_path / "rep")
     assert "sdpa_math" in (tmp_path / "rep" / "summary.md").read_text()
+
+
+def _row(case: dict, provider: str, metric: str, value, run_id: str = "r1") -> dict:
+    return {**case, "run_id": run_id, "provider": provider, "metric": metric, "value": value,
+            "status": "ok", "note": "", "unit": ""}
+
+
+def _results(path, envs: list, cases: list[tuple[dict, float, float]]):
+    """A results.json of flexlab rows: (case, time_ms, tflops) each."""
+    rows = []
+    for case, ms, tflops in cases:
+        rows += [_row(case, "flexlab", "time_ms", ms), _row(case, "flexlab", "tflops", tflops)]
+    path.write_text(json.dumps({"schema": "flexlab-bench/1", "name": path.stem, "envs": envs, "rows": rows}))
+    return path
+
+
+def _case(dtype: str, pass_: str = "fwd") -> dict:
+    return {"case_id": f"causal|{dtype}|{pass_}", "variant": "causal", "batch": 1, "q_heads": 16,
+            "kv_heads": 16, "q_len": 4096, "kv_len": 4096, "head_dim": 128, "v_head_dim": 128,
+            "dtype": dtype, "pass": pass_, "density": 0.5}
+
+
+def test_roofline_fraction_of_the_measured_peak(tmp_path):
+    """bf16/fp16 attention rows of a run that measured a peak show TFLOP/s as a fraction of it;
+    float32 rows, and runs without a measured peak (CPU), show none and the legend says why."""
+    from bench.env import PEAK_KEY, peak_tflops
+
+    peak = 800.0
+    gpu_env = {"run_id": "r1", "gpu_name": "Fake GPU", "git_commit": "a" * 40, PEAK_KEY: peak}
+    cpu_env = {"run_id": "r1", "gpu_name": None, "cpu": "x86_64", "git_commit": "a" * 40, PEAK_KEY: None}
+    cases = [(_case("bfloat16"), 2.0, 412.0), (_case("float16", "fwd_bwd"), 7.0, 301.0),
+             (_case("float32"), 9.0, 55.0)]
+    gpu = _results(tmp_path / "gpu.json", [gpu_env], cases)
+    cpu = _results(tmp_path / "cpu.json", [cpu_env], cases)
+    assert peak_tflops([gpu_env]) == peak and peak_tflops([cpu_env]) is None
+    assert peak_tflops([gpu_env, {**gpu_env, PEAK_KEY: 780.0}, {**gpu_env, PEAK_KEY: 790.0}]) == 790.0
+
+    sources = report.load_sources([gpu, cpu], ["gpu", "cpu"])
+    cells, keys, providers = report.build_cells(sources)
+    header, rows = report.summary_rows(sources, cells, keys, providers)
+    by_case = {(r[2], r[3]): r for r in rows}
+    for case, ms, tflops in cases:
+        row = by_case[(case["dtype"], case["pass"])]
+        fraction = tflops / peak
+        plain = f"{report._fmt(tflops)} ({report._fmt(ms)} ms)"
+        if case["dtype"] == "float32":
+            assert row[header.index("flexlab [gpu]")] == plain
+        else:
+            assert row[header.index("flexlab [gpu]")] == (
+                f"{report._fmt(tflops)} ({100 * fraction:.0f}%, {report._fmt(ms)} ms)")
+            assert f"{100 * fraction:.0f}%" in row[header.index("flexlab [gpu]")]
+        assert row[header.index("flexlab [cpu]")] == plain
+
+    out = tmp_path / "rep"
+    report.write_report([gpu, cpu], out, labels=["gpu", "cpu"])
+    md = (out / "summary.md").read_text()
+    assert f"gpu: {peak:.0f} TFLOP/s" in md and "No % of peak for cpu" in md
+    assert "52%" in md  # 412 of 800, written by hand once: the cell reads as a person expects
+    assert "% of peak" in (out / "report.html").read_text()

@@ -48,3 +48,27 @@ def test_pinned_host_puts_every_thread_on_one_core_and_gives_their_sets_back():
     finally:
         release.set()
         thread.join()
+
+
+def test_matmul_peak_is_not_measured_on_the_cpu():
+    from bench.env import PEAK_KEY, capture
+    from bench.timing import matmul_peak_tflops
+
+    assert matmul_peak_tflops("cpu") is None
+    env = capture("cpu", peak=True)
+    assert PEAK_KEY in env and env[PEAK_KEY] is None
+
+
+@pytest.mark.gpu
+def test_matmul_peak_is_measured_on_the_gpu():
+    # A number, not a speed check (tests share the GPU): finite, positive, stored in the env.
+    import math
+
+    from bench.env import PEAK_KEY, capture
+    from bench.timing import matmul_peak_tflops
+
+    value = matmul_peak_tflops("cuda", size=2048, rep_ms=20)
+    assert math.isfinite(value) and value > 0
+    env = capture("cuda", peak=True)
+    assert env[PEAK_KEY] > 0 and "8192" in env["peak_method"]
+    assert capture("cuda")[PEAK_KEY] is None  # measured only when asked (the runner asks)
