@@ -694,12 +694,13 @@ def _ring(call, mask: ContextParallelMask, q, k, v, group, token):
 # ---- the entry point ---------------------------------------------------------------------------
 
 
-def _pick_strategy(strategy: str, world: int, hq: int, hkv: int) -> str:
-    """auto: all-gather when the world is 2 (one exchange either way) or K/V have fewer heads than
-    Q (GQA: K/V are small next to the work, and one collective beats W-1 hops); ring otherwise."""
+def _pick_strategy(strategy: str, hq: int, hkv: int) -> str:
+    """auto: all-gather when K/V have fewer heads than Q (GQA: K/V are small next to the work, and
+    one collective beats W-1 hops); ring otherwise, since it skips the shards a rank's mask leaves
+    empty and overlaps each hop with a step's compute."""
     if strategy != "auto":
         return strategy
-    return "allgather" if world <= 2 or hkv < hq else "ring"
+    return "allgather" if hkv < hq else "ring"
 
 
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, block_mask=None,
@@ -764,7 +765,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
                                                 BLOCK_SIZE=BLOCK_SIZE, device=query.device,
                                                 timeout_s=timeout_s)
     mask = block_mask
-    strategy = _pick_strategy(strategy, world, query.shape[1], key.shape[1])
+    strategy = _pick_strategy(strategy, query.shape[1], key.shape[1])
 
     # The call's collectives in the backward are ordered by a token: hops/gather, then the sum
     # of captured gradients, the same on every rank.
