@@ -173,19 +173,11 @@ def _finished(folder: Path) -> int:
 
 
 def _prepare(out_dir: Path, grid, processes: int, resume: bool, force: bool) -> None:
-    from bench.grid import config_differences
-    from bench.runner import RunDirError, _read_json
+    """:func:`bench.runner.prepare_out_dir` for the merged folder, plus what a spread run adds: its
+    process folders (refused or removed as the merged rows are) and its process count (a resume
+    keeps it)."""
+    from bench.runner import RunDirError, _read_json, prepare_out_dir
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    held = (out_dir / "rows.jsonl").exists() or (out_dir / PROCESSES_DIR).exists()
-    if held and not resume:
-        if not force:
-            raise RunDirError(f"{out_dir} holds a previous run; pass --resume to continue it or --force "
-                              "to start over")
-        for name in ("rows.jsonl", "results.json", "results.csv", "env.json", "config.json"):
-            (out_dir / name).unlink(missing_ok=True)
-        shutil.rmtree(out_dir / PROCESSES_DIR, ignore_errors=True)
-        return
     if resume and (out_dir / "config.json").exists():
         stored = _read_json(out_dir / "config.json")
         if not isinstance(stored, dict) or stored.get("processes") != processes:
@@ -193,11 +185,12 @@ def _prepare(out_dir: Path, grid, processes: int, resume: bool, force: bool) -> 
                               f"{stored.get('processes', 1) if isinstance(stored, dict) else '?'} "
                               f"process(es), not {processes}; resume it with the same --processes, or "
                               "pass --force to start over")
-        differences = config_differences(stored, grid.to_dict())
-        if differences:
-            raise RunDirError(f"--resume: {out_dir} was run with another config; differing keys: "
-                              + "; ".join(differences) + ". Resume with the same config, or pass "
-                              "--force to start over")
+    if (out_dir / PROCESSES_DIR).exists() and not resume:
+        if not force:
+            raise RunDirError(f"{out_dir} holds a previous run; pass --resume to continue it or --force "
+                              "to start over")
+        shutil.rmtree(out_dir / PROCESSES_DIR, ignore_errors=True)
+    prepare_out_dir(out_dir, resume, force, grid)
 
 
 def merge(out_dir: str | Path, processes: int) -> Path:

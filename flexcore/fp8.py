@@ -222,10 +222,13 @@ def key_major(value: Tensor) -> Tensor:
     return buffer.transpose(2, 3)
 
 
+@functools.lru_cache(maxsize=64)
 def fp8_options(opts):
     """``opts`` (a :class:`flexcore.KernelOptions`) for a float8 call: its dispatch policy with the
     FP8 rules applied (:func:`flexcore.kernels.policy.fp8_policy`); InputError where the options
-    force a kernel without an FP8 path (the decoding kernel, the Gluon kernels)."""
+    force a kernel without an FP8 path (the decoding kernel, the Gluon kernels). Kept per options
+    (they are frozen and hashable): building and checking a policy costs more than a call's host
+    path."""
     import dataclasses
 
     from flexcore.kernels.policy import fp8_policy

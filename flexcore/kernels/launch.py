@@ -316,7 +316,7 @@ class Tuned:
             # tuned configuration into the graph).
             config = self.tuner.configs[0]
         elif config is None:
-            rule = tune_rule(policy)
+            rule = policy.tune
             self.chosen[full_key] = self.tune(grid, args, kwargs, full_key, rule,
                                               cache=choice_mod.cache_for(rule),
                                               threads=policy.compile_threads)
@@ -392,11 +392,6 @@ class Tuned:
                     self.tuner.fn.warmup(*args, grid=grid, **full)
                 except Exception:  # left to the autotuner (see above)
                     pass
-
-
-def tune_rule(policy: LaunchPolicy) -> TuneRule:
-    """The timing and tie rule of ``policy``."""
-    return policy.tune
 
 
 def _median_ms(timing) -> float:

@@ -1,6 +1,4 @@
 """Shared setup of flexcore's tests."""
-import os
-
 import pytest
 
 from flexcore.kernels import backward as bwd
@@ -12,13 +10,9 @@ from flexcore.kernels import launch
 def _session_plan_cache(tmp_path_factory):
     """Persisted kernel choices go to this session's folder: a choice remembered by an earlier run
     on the machine would skip the autotuning that GPU tests check."""
-    old = os.environ.get("FLEXLAB_PLAN_CACHE")
-    os.environ["FLEXLAB_PLAN_CACHE"] = str(tmp_path_factory.mktemp("plans"))
-    yield
-    if old is None:
-        os.environ.pop("FLEXLAB_PLAN_CACHE", None)
-    else:
-        os.environ["FLEXLAB_PLAN_CACHE"] = old
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FLEXLAB_PLAN_CACHE", str(tmp_path_factory.mktemp("plans")))
+        yield
 
 
 @pytest.fixture(autouse=True)

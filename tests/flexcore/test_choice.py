@@ -109,8 +109,8 @@ def test_tuned_keeps_the_preferred_of_near_equal_configurations(tolerance, expec
     assert tuned.tuner.best_config.kwargs["BLOCK"] == 32  # the autotuner alone would keep this one
 
 
-def test_policy_without_a_tune_rule_uses_the_defaults():
-    assert L.tune_rule(LaunchPolicy()) == C.DEFAULT_RULE
+def test_the_default_launch_policy_uses_the_default_rule():
+    assert LaunchPolicy().tune == C.DEFAULT_RULE
 
 
 def test_persisted_choice_round_trips_and_is_reused(tmp_path):
