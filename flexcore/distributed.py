@@ -486,20 +486,11 @@ def _rebind(fn, replace: dict, memo: dict):
 
 def merge_by_lse(parts: list[tuple[Tensor, Tensor]], out_dtype) -> tuple[Tensor, Tensor]:
     """Combine attention over disjoint key sets from (out_i, lse_i): weights exp(lse_i - lse).
-    Rows no part attends to give 0 and lse -inf (as flexcore does), with finite gradients."""
-    if len(parts) == 1:
-        return parts[0]
-    acc = torch.float64 if out_dtype == torch.float64 else torch.float32
-    lses = torch.stack([lse.to(acc) for _, lse in parts])
-    m = lses.amax(0)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    total = torch.exp(lses - m).sum(0)
-    empty = total == 0
-    lse = torch.where(empty, torch.full_like(m, -torch.inf),
-                      m + torch.log(torch.where(empty, torch.ones_like(total), total)))
-    ref = torch.where(empty, torch.zeros_like(lse), lse)
-    out = sum(torch.exp(l.to(acc) - ref).unsqueeze(-1) * o.to(acc) for o, l in parts)
-    return out.to(out_dtype), lse.to(parts[0][1].dtype)
+    Rows no part attends to give 0 and lse -inf (as flexcore does), with finite gradients. One
+    fused pass forward and one backward (flexcore.kernels.merge)."""
+    from flexcore.kernels.merge import merge
+
+    return merge(parts, out_dtype)
 
 
 class _Tie(torch.autograd.Function):
@@ -630,6 +621,12 @@ class _RingStep(torch.autograd.Function):
         import torch.distributed as dist
 
         spec, ops, grads = ctx.spec, [], [None, None]
+        pending = spec.pop("grad_pending", None)
+        if pending is not None:  # _GradHop started the exchange: only its wait is left
+            works, grads, _ = pending
+            for work in works:
+                work.wait()
+            return (None, d_token, *grads)
         if spec["recv_from"] is not None:
             sent = [g.contiguous() if g is not None else torch.zeros(s, dtype=dt, device=dev)
                     for g, (s, dt, dev) in zip((dk_recv, dv_recv), spec["shapes"])]
@@ -640,6 +637,33 @@ class _RingStep(torch.autograd.Function):
         for work in (dist.batch_isend_irecv(ops) if ops else []):
             work.wait()
         return (None, d_token, *grads)
+
+
+class _GradHop(torch.autograd.Function):
+    """Identity on a received shard that goes no farther. Its backward, which autograd runs as
+    soon as the step that read the shard is differentiated, starts sending the shard's gradient
+    back and receiving this rank's own; the waiting is left to :class:`_RingStep`'s backward, which
+    runs after the local step's backward is queued, so the exchange overlaps that compute."""
+
+    @staticmethod
+    def forward(ctx, spec, k, v):
+        ctx.spec = spec
+        return k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, dk, dv):
+        import torch.distributed as dist
+
+        spec, ops, grads = ctx.spec, [], [None, None]
+        sent = [g.contiguous() if g is not None else torch.zeros(s, dtype=dt, device=dev)
+                for g, (s, dt, dev) in zip((dk, dv), spec["shapes"])]
+        ops += [dist.P2POp(dist.isend, g, spec["recv_from"], spec["group"]) for g in sent]
+        if spec["send_to"] is not None:
+            grads = [torch.empty(s, dtype=dt, device=dev) for s, dt, dev in spec["send_shapes"]]
+            ops += [dist.P2POp(dist.irecv, g, spec["send_to"], spec["group"]) for g in grads]
+        # The sent gradients stay referenced until the wait: the transport reads them asynchronously.
+        spec["grad_pending"] = (dist.batch_isend_irecv(ops), grads, sent)
+        return None, dk, dv
 
 
 def _ring_plan(need, world: int) -> list[int]:
@@ -657,10 +681,10 @@ def _ring(call, mask: ContextParallelMask, q, k, v, group, token):
     world, rank = mask.world_size, mask.rank
     last = _ring_plan(mask.need, world)
     global_rank = [dist.get_global_rank(group, r) for r in range(world)]
-    held = {0: (k, v, [])}  # step -> (k, v, works to wait for before reading)
+    held = {0: (k, v, [], None)}  # step -> (k, v, works to wait for before reading, its hop's spec)
     parts = []
     for t in range(world):
-        kt, vt, works = held.pop(t)
+        kt, vt, works, arrived = held.pop(t)
         hop = t + 1
         if hop < world:  # start the next hop before computing this step
             src_next = (rank - hop) % world
@@ -676,15 +700,20 @@ def _ring(call, mask: ContextParallelMask, q, k, v, group, token):
                         "shapes": [(tuple(k.shape), k.dtype, k.device), (tuple(v.shape), v.dtype, v.device)]}
                 k_send = kt if send else k
                 v_send = vt if send else v
+                spec["send_shapes"] = [(tuple(t.shape), t.dtype, t.device) for t in (k_send, v_send)]
                 token, k_next, v_next = _RingStep.apply(spec, token, k_send, v_send)
-                held[hop] = (k_next, v_next, spec["works"])
+                held[hop] = (k_next, v_next, spec["works"], spec)
             else:
-                held[hop] = (k, v, [])  # nothing travels: a placeholder never read
+                held[hop] = (k, v, [], None)  # nothing travels: a placeholder never read
         src = (rank - t) % world
         if mask.need[rank][src]:
             for w in works:
                 w.wait()
             works = []
+            relayed = hop < world and hop <= last[src]
+            if arrived is not None and arrived["recv_from"] is not None and not relayed \
+                    and torch.is_grad_enabled():
+                kt, vt = _GradHop.apply(arrived, kt, vt)
             parts.append(call(q, kt, vt, src, mask.sources[src]))
         for w in works:  # data only relayed onward was waited above before its send
             w.wait()

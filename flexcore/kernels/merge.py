@@ -1,0 +1,85 @@
+"""Attention over disjoint key sets merged by lse, as one fused pass forward and one backward.
+
+``merge(parts, out_dtype)`` gives ``(out, lse)`` of attention over the union of the parts' keys
+from each part's ``(out_i, lse_i)``: ``out = Σ_i exp(lse_i - lse) out_i``, ``lse = logsumexp_i
+lse_i``. The elementwise torch formula reads and writes float32 copies of every output several
+times forward and backward; the kernels read each part once and write the result once.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flexcore.kernels.launch import run
+
+__all__ = ["merge"]
+
+
+def _module():
+    from flexcore.kernels import codegen
+
+    return codegen.cached_module(("merge.py.tmpl",),
+                                 lambda: codegen.HEADER + codegen.read_template("merge.py.tmpl"), "merge")
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _tiles(d: int) -> dict:
+    """A block of rows by the whole (padded) head dim: about 4K elements per program."""
+    block_d = max(16, 1 << (d - 1).bit_length())
+    return dict(BLOCK_R=max(1, 4096 // block_d), BLOCK_D=block_d)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _MergeTwo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, oa: Tensor, la: Tensor, ob: Tensor, lb: Tensor, out_dtype: torch.dtype):
+        oa, ob, la, lb = oa.contiguous(), ob.contiguous(), la.contiguous(), lb.contiguous()
+        module = _module()
+        out = torch.empty(oa.shape, dtype=out_dtype, device=oa.device)
+        lse = torch.empty(la.shape, dtype=la.dtype, device=la.device)
+        rows, d = la.numel(), oa.shape[-1]
+        tiles = _tiles(d)
+        if rows:
+            run(module.merge_forward_kernel, (_cdiv(rows, tiles["BLOCK_R"]),),
+                (oa, ob, la, lb, out, lse, rows, d), tiles)
+        ctx.save_for_backward(oa, ob, la, lb, lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        oa, ob, la, lb, lse = ctx.saved_tensors
+        if dout is None and dlse is None:
+            return None, None, None, None, None
+        if dout is None:
+            dout = torch.zeros(oa.shape, dtype=oa.dtype, device=oa.device)
+        dout = dout.contiguous()
+        doa, dob = torch.empty_like(oa), torch.empty_like(ob)
+        dla, dlb = torch.empty_like(la), torch.empty_like(lb)
+        rows, d = la.numel(), oa.shape[-1]
+        tiles = _tiles(d)
+        if rows:
+            run(_module().merge_backward_kernel, (_cdiv(rows, tiles["BLOCK_R"]),),
+                (oa, ob, la, lb, lse, dout, dout if dlse is None else dlse.contiguous(), doa, dob,
+                 dla, dlb, rows, d), dict(HAS_DLSE=dlse is not None, **tiles))
+        return doa, dla, dob, dlb, None
+
+
+def merge(parts: list[tuple[Tensor, Tensor]], out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(out, lse) of the union of ``parts``' keys: out in ``out_dtype``, lse in the parts' lse
+    dtype. Parts are (out_i (B, H, L, D), lse_i (B, H, L)) over disjoint key sets; rows that no
+    part attends to give out 0 and lse -inf, with zero gradients. More than two parts merge
+    pairwise, holding the running result in float32 (float64 for float64) and rounding once."""
+    if len(parts) == 1:
+        return parts[0]
+    out, lse = parts[0]
+    for i, (o, l) in enumerate(parts[1:], start=2):
+        dtype = out_dtype if i == len(parts) else _acc(out_dtype)
+        out, lse = _MergeTwo.apply(out, lse, o, l, dtype)
+    return out, lse
