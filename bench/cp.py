@@ -651,9 +651,34 @@ def scaling_table(rows: list[dict]) -> list[dict]:
         entry = table.setdefault(key, {"variant": r["variant"], "seq": int(r["q_len"]),
                                        "provider": r["provider"], "gpus": gpus})
         if r["metric"] in ("tflops", "scaling_eff", "time_ms", "comm_ms", "comm_hidden_ms",
-                           "speedup_vs_torch_cp"):
+                           "compute_ms", "speedup_vs_torch_cp"):
             entry[r["metric"]] = float(r["value"])
     return sorted(table.values(), key=lambda e: (e["variant"], e["seq"], e["provider"], e["gpus"]))
+
+
+def scaling_markdown(rows: list[dict]) -> str:
+    """The scaling table of a results file as markdown (``python -m bench summary``): per mask,
+    length, provider and GPU count, the median step, per-GPU TFLOP/s, the efficiency against one
+    GPU at S/W, the speedup over torch's context parallel, and the communication the step hid;
+    then the measurements that gave no time, with their reasons."""
+    def cell(x, spec: str) -> str:
+        return "" if x is None else format(x, spec)
+
+    lines = ["| mask | S | provider | GPUs | ms | TFLOP/s per GPU | efficiency | ÷ torch CP | "
+             "compute alone (ms) | comm hidden (ms of ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in scaling_table(rows):
+        comm = e.get("comm_ms")
+        hidden = "" if comm is None else f"{e.get('comm_hidden_ms', 0.0):.1f} of {comm:.1f}"
+        lines.append(f"| {e['variant']} | {e['seq']} | {e['provider']} | {e['gpus']} | "
+                     f"{cell(e.get('time_ms'), '.4g')} | {cell(e.get('tflops'), '.0f')} | "
+                     f"{cell(e.get('scaling_eff'), '.2f')} | "
+                     f"{cell(e.get('speedup_vs_torch_cp'), '.2f')}{'×' if e.get('speedup_vs_torch_cp') else ''} | "
+                     f"{cell(e.get('compute_ms'), '.4g')} | {hidden} |")
+    missing = [r for r in rows if r.get("metric") == "status"]
+    if missing:
+        lines += ["", "Not measured:", ""]
+        lines += [f"- {r['variant']} S={r['q_len']} {r['provider']}: {r['status']}, {r['note']}" for r in missing]
+    return "\n".join(lines)
 
 
 def summary(rows: list[dict]) -> list[str]:

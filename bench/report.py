@@ -676,6 +676,11 @@ def summary_markdown(results, labels=None) -> str:
     as markdown, followed by the run-to-run spread table of a run of several processes."""
     sources = load_sources(list(results) if not isinstance(results, (str, os.PathLike)) else [results],
                            labels)
+    from bench import cp  # context-parallel runs (python -m bench.cp) get their scaling table
+
+    if sources and all(cp.is_cp_results(s.rows) for s in sources):
+        return "\n\n".join((f"## {s.label}\n\n" if len(sources) > 1 else "") + cp.scaling_markdown(s.rows)
+                           for s in sources)
     cells, keys, providers = build_cells(sources)
     text = markdown_table(*summary_rows(sources, cells, keys, providers))
     sp_header, sp_rows = spread_rows(sources, cells, keys, providers)

@@ -137,3 +137,27 @@ def test_cp_train_runs_two_gloo_processes():
     cp_loss, single = map(float, re.search(r"context-parallel loss (\S+), one process (\S+),",
                                            proc.stdout).groups())
     assert abs(cp_loss - single) <= 1e-4 * abs(single), proc.stdout
+
+
+def test_summary_of_a_cp_run_is_its_scaling_table(tmp_path):
+    from bench.report import summary_markdown
+
+    rows = cp._Rows(cp.CONFIGS["cp"], "run")
+    for provider, world, ms, extra in (("flexlab", 1, 100.0, ()), ("flexlab_cp_ring", 2, 60.0,
+                                       (("comm_ms", 4.0), ("compute_ms", 58.0), ("comm_hidden_ms", 2.0),
+                                        ("scaling_eff", 0.83), ("speedup_vs_torch_cp", 1.25))),
+                                       ("torch_cp", 2, 75.0, ())):
+        rows.add("causal", 65536, world, provider, "time_ms", ms, "ms")
+        rows.add("causal", 65536, world, provider, "world_size", world, "count")
+        for metric, value in extra:
+            rows.add("causal", 65536, world, provider, metric, value, "ms")
+    rows.add("sliding_window", 65536, 2, "torch_cp", "status", None, "", status="skipped",
+             note="needs CUDA")
+    cp._write_results(tmp_path, "cp", rows.rows, {}, True)
+    text = summary_markdown(tmp_path)
+    lines = text.splitlines()
+    assert lines[0].startswith("| mask | S | provider | GPUs | ms | TFLOP/s per GPU | efficiency | ÷ torch CP")
+    ring = next(line for line in lines if "flexlab_cp_ring" in line)
+    assert [c.strip() for c in ring.strip("|").split("|")] == [
+        "causal", "65536", "flexlab_cp_ring", "2", "60", "", "0.83", "1.25×", "58", "2.0 of 4.0"]
+    assert "- sliding_window S=65536 torch_cp: skipped, needs CUDA" in lines
