@@ -710,8 +710,11 @@ def _ring(call, mask: ContextParallelMask, q, k, v, group, token):
             for w in works:
                 w.wait()
             works = []
-            relayed = hop < world and hop <= last[src]
-            if arrived is not None and arrived["recv_from"] is not None and not relayed \
+            # P2P ops between two ranks match in the order they are issued, and the backward's
+            # hops are issued in descending order along the token chain: an early exchange keeps
+            # that order only where this rank sends nothing at this hop or any later one.
+            sends_later = any(h <= last[(rank - h + 1) % world] for h in range(hop, world))
+            if arrived is not None and arrived["recv_from"] is not None and not sends_later \
                     and torch.is_grad_enabled():
                 kt, vt = _GradHop.apply(arrived, kt, vt)
             parts.append(call(q, kt, vt, src, mask.sources[src]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from flexcore.kernels.launch import run
 
@@ -53,6 +54,7 @@ class _MergeTwo(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @once_differentiable  # a second derivative raises instead of coming back silently wrong
     def backward(ctx, dout, dlse):
         oa, ob, la, lb, lse = ctx.saved_tensors
         if dout is None and dlse is None:

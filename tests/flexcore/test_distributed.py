@@ -47,11 +47,17 @@ def make_mods(name: str, device, doc_ids=None):
     def prefix_lm(b, h, q_idx, kv_idx):
         return (kv_idx < PREFIX) | (q_idx >= kv_idx)
 
+    def scattered(b, h, q_idx, kv_idx):
+        # At 4 ranks (zigzag chunks of S/8): rank 0 reads ranks 1 and 3, rank 1 reads rank 2, so
+        # a rank's backward exchanges come in an order other than its ring steps'.
+        cq, ck = q_idx // (S // 8), kv_idx // (S // 8)
+        return (q_idx == kv_idx) | ((cq == 0) & ((ck == 1) | (ck == 3))) | ((cq == 1) & (ck == 2))
+
     def rel_bias(score, b, h, q_idx, kv_idx):
         return score + rel[q_idx - kv_idx + S - 1]
 
     mods = {"causal": causal, "document_causal": document_causal, "sliding_window": sliding_window,
-            "prefix_lm": prefix_lm}
+            "prefix_lm": prefix_lm, "scattered": scattered}
     return mods[name], rel_bias, rel
 
 
@@ -249,8 +255,11 @@ def test_two_ranks_match_single_process(tmp_path):
 
 def test_four_ranks_match_single_process(tmp_path):
     # Chunks of 16 at 4 ranks: blocks of 16 keep the masks' tables exact per chunk.
-    results = _spawn(_worker_cases, 4, tmp_path, CASES, 16)
-    _check_against_single(results, 4, CASES)
+    cases = CASES + [("scattered", "ring")]
+    results = _spawn(_worker_cases, 4, tmp_path, cases, 16)
+    _check_against_single(results, 4, cases)
+    scattered = results[0][("scattered", "ring")]["need"]
+    assert scattered[0][1] and scattered[0][3] and scattered[1][2] and not scattered[0][2], scattered
     need = results[0][("sliding_window", "ring")]["need"]
     assert not all(all(row) for row in need), f"a window of {WINDOW} should skip shard pairs: {need}"
     assert need == results[3][("sliding_window", "ring")]["need"]

@@ -95,3 +95,33 @@ def test_merge_of_one_part_is_that_part():
     (out, lse), = _parts(1, torch.float32, seed=3)
     merged = merge([(out, lse)], torch.float32)
     assert merged[0] is out and merged[1] is lse
+
+
+def test_merge_of_transposed_parts_with_a_loss_on_the_lse_alone():
+    """Parts that are views with other strides, and a gradient that reaches the lse only (the
+    outputs' gradient is then zero), against float64."""
+    g = torch.Generator().manual_seed(11)
+    parts = []
+    for _ in range(2):
+        out = torch.randn(2, 5, 3, 24, generator=g).transpose(1, 2).requires_grad_(True)  # (2, 3, 5, 24)
+        lse = (torch.randn(2, 5, 3, generator=g) * 2).transpose(1, 2).requires_grad_(True)
+        parts.append((out, lse))
+    merged_out, merged_lse = merge(parts, torch.float32)
+    doubles = [(o.detach().double().requires_grad_(True), l.detach().double().requires_grad_(True))
+               for o, l in parts]
+    ref_out, ref_lse = _reference(doubles)
+    torch.testing.assert_close(merged_out.double(), ref_out, atol=1e-6, rtol=1e-6)
+    merged_lse.sum().backward()
+    ref_lse.sum().backward()
+    for (o, l), (ro, rl) in zip(parts, doubles):
+        assert bool((o.grad == 0).all())
+        torch.testing.assert_close(l.grad.double(), rl.grad, atol=1e-6, rtol=1e-6)
+
+
+def test_merge_refuses_a_second_derivative():
+    parts = _parts(2, torch.float64, seed=5)
+    out, _ = merge(parts, torch.float64)
+    weights = torch.ones_like(out, requires_grad=True)  # a gradient the second derivative reads
+    (grad,) = torch.autograd.grad(out, parts[0][0], grad_outputs=weights, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        grad.sum().backward()
