@@ -572,7 +572,7 @@ def run(cfg: CPConfig, name: str, out_dir: Path | None, *, max_minutes: float | 
     results.derive()
     if writer is not None:
         writer.write(results.rows.rows, complete=stopped is None)
-    for line in summary(results.rows.rows):
+    for line in scaling_markdown(results.rows.rows).splitlines():
         log(line)
     return results.rows.rows
 
@@ -657,12 +657,13 @@ def scaling_table(rows: list[dict]) -> list[dict]:
 
 
 def scaling_markdown(rows: list[dict]) -> str:
-    """The scaling table of a results file as markdown (``python -m bench summary``): per mask,
-    length, provider and GPU count, the median step, per-GPU TFLOP/s, the efficiency against one
-    GPU at S/W, the speedup over torch's context parallel, and the communication the step hid;
-    then the measurements that gave no time, with their reasons."""
-    def cell(x, spec: str) -> str:
-        return "" if x is None else format(x, spec)
+    """The scaling table of a run as markdown (rank 0 prints it at the end, and ``python -m bench
+    summary`` of a results folder): per mask, length, provider and GPU count, the median step,
+    per-GPU TFLOP/s, the efficiency against one GPU at S/W, the speedup over torch's context
+    parallel, and the communication the step hid; then the measurements that gave no time, with
+    their reasons."""
+    def cell(x, spec: str, suffix: str = "") -> str:
+        return "" if x is None else format(x, spec) + suffix
 
     lines = ["| mask | S | provider | GPUs | ms | TFLOP/s per GPU | efficiency | ÷ torch CP | "
              "compute alone (ms) | comm hidden (ms of ms) |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -672,31 +673,13 @@ def scaling_markdown(rows: list[dict]) -> str:
         lines.append(f"| {e['variant']} | {e['seq']} | {e['provider']} | {e['gpus']} | "
                      f"{cell(e.get('time_ms'), '.4g')} | {cell(e.get('tflops'), '.0f')} | "
                      f"{cell(e.get('scaling_eff'), '.2f')} | "
-                     f"{cell(e.get('speedup_vs_torch_cp'), '.2f')}{'×' if e.get('speedup_vs_torch_cp') else ''} | "
+                     f"{cell(e.get('speedup_vs_torch_cp'), '.2f', '×')} | "
                      f"{cell(e.get('compute_ms'), '.4g')} | {hidden} |")
     missing = [r for r in rows if r.get("metric") == "status"]
     if missing:
         lines += ["", "Not measured:", ""]
         lines += [f"- {r['variant']} S={r['q_len']} {r['provider']}: {r['status']}, {r['note']}" for r in missing]
     return "\n".join(lines)
-
-
-def summary(rows: list[dict]) -> list[str]:
-    """The lines rank 0 prints at the end: one per measured (variant, S, provider, GPUs), and one
-    per measurement that did not give a time."""
-    lines = [f"{'variant':<16} {'S':>7} {'provider':<21} {'GPUs':>4} {'ms':>9} {'TFLOP/s/GPU':>11} "
-             f"{'eff':>6} {'vs torch_cp':>11}"]
-    def fmt(x, width: int, spec: str) -> str:
-        return f"{'-':>{width}}" if x is None else f"{x:{width}{spec}}"
-
-    for e in scaling_table(rows):
-        lines.append(f"{e['variant']:<16} {e['seq']:>7} {e['provider']:<21} {e['gpus']:>4} "
-                     f"{fmt(e.get('time_ms'), 9, '.4g')} {fmt(e.get('tflops'), 11, '.4g')} "
-                     f"{fmt(e.get('scaling_eff'), 6, '.3f')} {fmt(e.get('speedup_vs_torch_cp'), 11, '.3g')}")
-    for r in rows:
-        if r.get("metric") == "status":
-            lines.append(f"{r['variant']:<16} {r['q_len']:>7} {r['provider']:<21} {r['status']}: {r['note']}")
-    return lines
 
 
 # ---- the command line ---------------------------------------------------------------------------

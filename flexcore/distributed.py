@@ -613,37 +613,42 @@ class _RingStep(torch.autograd.Function):
         else:
             out = [torch.empty(0, dtype=dt, device=dev) for _, dt, dev in spec["shapes"]]
         spec["works"] = dist.batch_isend_irecv(ops) if ops else []
-        ctx.send_shapes = [(tuple(t.shape), t.dtype, t.device) for t in (k_send, v_send)]
+        spec["send_shapes"] = [(tuple(t.shape), t.dtype, t.device) for t in (k_send, v_send)]
         return (token.detach().clone(), *out)
 
     @staticmethod
     def backward(ctx, d_token, dk_recv, dv_recv):
-        import torch.distributed as dist
-
-        spec, ops, grads = ctx.spec, [], [None, None]
-        pending = spec.pop("grad_pending", None)
-        if pending is not None:  # _GradHop started the exchange: only its wait is left
-            works, grads, _ = pending
-            for work in works:
-                work.wait()
-            return (None, d_token, *grads)
-        if spec["recv_from"] is not None:
-            sent = [g.contiguous() if g is not None else torch.zeros(s, dtype=dt, device=dev)
-                    for g, (s, dt, dev) in zip((dk_recv, dv_recv), spec["shapes"])]
-            ops += [dist.P2POp(dist.isend, g, spec["recv_from"], spec["group"]) for g in sent]
-        if spec["send_to"] is not None:
-            grads = [torch.empty(s, dtype=dt, device=dev) for s, dt, dev in ctx.send_shapes]
-            ops += [dist.P2POp(dist.irecv, g, spec["send_to"], spec["group"]) for g in grads]
-        for work in (dist.batch_isend_irecv(ops) if ops else []):
+        # Started already where _GradHop moved the exchange earlier; only its wait is left here.
+        pending = ctx.spec.pop("grad_pending", None)
+        works, grads, _sent = pending or _exchange_grads(ctx.spec, dk_recv, dv_recv)
+        for work in works:
             work.wait()
         return (None, d_token, *grads)
 
 
+def _exchange_grads(spec, dk_recv, dv_recv) -> tuple[list, list, list]:
+    """Start one hop's backward exchange: the received shard's gradient goes back to its sender
+    (zeros where it got none) and the sent shard's comes in. (works, the gradients coming in,
+    the ones going out): the latter stay referenced until the works are waited, since the
+    transport reads them asynchronously."""
+    import torch.distributed as dist
+
+    ops, received, sent = [], [None, None], []
+    if spec["recv_from"] is not None:
+        sent = [g.contiguous() if g is not None else torch.zeros(s, dtype=dt, device=dev)
+                for g, (s, dt, dev) in zip((dk_recv, dv_recv), spec["shapes"])]
+        ops += [dist.P2POp(dist.isend, g, spec["recv_from"], spec["group"]) for g in sent]
+    if spec["send_to"] is not None:
+        received = [torch.empty(s, dtype=dt, device=dev) for s, dt, dev in spec["send_shapes"]]
+        ops += [dist.P2POp(dist.irecv, g, spec["send_to"], spec["group"]) for g in received]
+    return (dist.batch_isend_irecv(ops) if ops else []), received, sent
+
+
 class _GradHop(torch.autograd.Function):
     """Identity on a received shard that goes no farther. Its backward, which autograd runs as
-    soon as the step that read the shard is differentiated, starts sending the shard's gradient
-    back and receiving this rank's own; the waiting is left to :class:`_RingStep`'s backward, which
-    runs after the local step's backward is queued, so the exchange overlaps that compute."""
+    soon as the step that read the shard is differentiated, starts the hop's exchange
+    (:func:`_exchange_grads`); the waiting is left to :class:`_RingStep`'s backward, which runs
+    after the local step's backward is queued, so the exchange overlaps that compute."""
 
     @staticmethod
     def forward(ctx, spec, k, v):
@@ -652,17 +657,7 @@ class _GradHop(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dk, dv):
-        import torch.distributed as dist
-
-        spec, ops, grads = ctx.spec, [], [None, None]
-        sent = [g.contiguous() if g is not None else torch.zeros(s, dtype=dt, device=dev)
-                for g, (s, dt, dev) in zip((dk, dv), spec["shapes"])]
-        ops += [dist.P2POp(dist.isend, g, spec["recv_from"], spec["group"]) for g in sent]
-        if spec["send_to"] is not None:
-            grads = [torch.empty(s, dtype=dt, device=dev) for s, dt, dev in spec["send_shapes"]]
-            ops += [dist.P2POp(dist.irecv, g, spec["send_to"], spec["group"]) for g in grads]
-        # The sent gradients stay referenced until the wait: the transport reads them asynchronously.
-        spec["grad_pending"] = (dist.batch_isend_irecv(ops), grads, sent)
+        ctx.spec["grad_pending"] = _exchange_grads(ctx.spec, dk, dv)
         return None, dk, dv
 
 
@@ -680,6 +675,8 @@ def _ring(call, mask: ContextParallelMask, q, k, v, group, token):
 
     world, rank = mask.world_size, mask.rank
     last = _ring_plan(mask.need, world)
+    # sends[h - 1]: whether this rank forwards a shard at hop h (the one it holds at step h - 1).
+    sends = [h <= last[(rank - h + 1) % world] for h in range(1, world)]
     global_rank = [dist.get_global_rank(group, r) for r in range(world)]
     held = {0: (k, v, [], None)}  # step -> (k, v, works to wait for before reading, its hop's spec)
     parts = []
@@ -688,7 +685,7 @@ def _ring(call, mask: ContextParallelMask, q, k, v, group, token):
         hop = t + 1
         if hop < world:  # start the next hop before computing this step
             src_next = (rank - hop) % world
-            send = hop <= last[(rank - t) % world]
+            send = sends[t]
             recv = hop <= last[src_next]
             if send or recv:
                 if send:
@@ -700,7 +697,6 @@ def _ring(call, mask: ContextParallelMask, q, k, v, group, token):
                         "shapes": [(tuple(k.shape), k.dtype, k.device), (tuple(v.shape), v.dtype, v.device)]}
                 k_send = kt if send else k
                 v_send = vt if send else v
-                spec["send_shapes"] = [(tuple(t.shape), t.dtype, t.device) for t in (k_send, v_send)]
                 token, k_next, v_next = _RingStep.apply(spec, token, k_send, v_send)
                 held[hop] = (k_next, v_next, spec["works"], spec)
             else:
@@ -713,8 +709,7 @@ def _ring(call, mask: ContextParallelMask, q, k, v, group, token):
             # P2P ops between two ranks match in the order they are issued, and the backward's
             # hops are issued in descending order along the token chain: an early exchange keeps
             # that order only where this rank sends nothing at this hop or any later one.
-            sends_later = any(h <= last[(rank - h + 1) % world] for h in range(hop, world))
-            if arrived is not None and arrived["recv_from"] is not None and not sends_later \
+            if arrived is not None and arrived["recv_from"] is not None and not any(sends[t:]) \
                     and torch.is_grad_enabled():
                 kt, vt = _GradHop.apply(arrived, kt, vt)
             parts.append(call(q, kt, vt, src, mask.sources[src]))

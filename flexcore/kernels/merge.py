@@ -23,18 +23,10 @@ def _module():
                                  lambda: codegen.HEADER + codegen.read_template("merge.py.tmpl"), "merge")
 
 
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _tiles(d: int) -> dict:
     """A block of rows by the whole (padded) head dim: about 4K elements per program."""
     block_d = max(16, 1 << (d - 1).bit_length())
     return dict(BLOCK_R=max(1, 4096 // block_d), BLOCK_D=block_d)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class _MergeTwo(torch.autograd.Function):
@@ -47,7 +39,7 @@ class _MergeTwo(torch.autograd.Function):
         rows, d = la.numel(), oa.shape[-1]
         tiles = _tiles(d)
         if rows:
-            run(module.merge_forward_kernel, (_cdiv(rows, tiles["BLOCK_R"]),),
+            run(module.merge_forward_kernel, (-(-rows // tiles["BLOCK_R"]),),
                 (oa, ob, la, lb, out, lse, rows, d), tiles)
         ctx.save_for_backward(oa, ob, la, lb, lse)
         ctx.set_materialize_grads(False)
@@ -67,7 +59,7 @@ class _MergeTwo(torch.autograd.Function):
         rows, d = la.numel(), oa.shape[-1]
         tiles = _tiles(d)
         if rows:
-            run(_module().merge_backward_kernel, (_cdiv(rows, tiles["BLOCK_R"]),),
+            run(_module().merge_backward_kernel, (-(-rows // tiles["BLOCK_R"]),),
                 (oa, ob, la, lb, lse, dout, dout if dlse is None else dlse.contiguous(), doa, dob,
                  dla, dlb, rows, d), dict(HAS_DLSE=dlse is not None, **tiles))
         return doa, dla, dob, dlb, None
@@ -82,6 +74,6 @@ def merge(parts: list[tuple[Tensor, Tensor]], out_dtype: torch.dtype) -> tuple[T
         return parts[0]
     out, lse = parts[0]
     for i, (o, l) in enumerate(parts[1:], start=2):
-        dtype = out_dtype if i == len(parts) else _acc(out_dtype)
-        out, lse = _MergeTwo.apply(out, lse, o, l, dtype)
+        # The running result keeps the lse's dtype, the kernels' accumulation dtype.
+        out, lse = _MergeTwo.apply(out, lse, o, l, out_dtype if i == len(parts) else l.dtype)
     return out, lse
