@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from flexcore.errors import InputError
 from flexcore.kernels.launch import run
 
 __all__ = ["merge"]
@@ -70,6 +71,7 @@ def merge(parts: list[tuple[Tensor, Tensor]], out_dtype: torch.dtype) -> tuple[T
     dtype. Parts are (out_i (B, H, L, D), lse_i (B, H, L)) over disjoint key sets; rows that no
     part attends to give out 0 and lse -inf, with zero gradients. More than two parts merge
     pairwise, holding the running result in float32 (float64 for float64) and rounding once."""
+    _check_parts(parts)
     if len(parts) == 1:
         return parts[0]
     out, lse = parts[0]
@@ -77,3 +79,23 @@ def merge(parts: list[tuple[Tensor, Tensor]], out_dtype: torch.dtype) -> tuple[T
         # The running result keeps the lse's dtype, the kernels' accumulation dtype.
         out, lse = _MergeTwo.apply(out, lse, o, l, out_dtype if i == len(parts) else l.dtype)
     return out, lse
+
+
+def _check_parts(parts) -> None:
+    """Raise InputError naming the part unless every part is (out (B, H, L, D), lse (B, H, L)) of
+    one shape, lse in float32 or float64, all on one device: the kernels read them as flat rows."""
+    if not parts:
+        raise InputError("parts is empty; expected one or more (out, lse) pairs")
+    shape, device = tuple(parts[0][0].shape), parts[0][0].device
+    for i, part in enumerate(parts):
+        if not (isinstance(part, (tuple, list)) and len(part) == 2
+                and all(isinstance(t, Tensor) for t in part)):
+            raise InputError(f"parts[{i}] is not an (out, lse) pair of tensors")
+        out, lse = part
+        if tuple(out.shape) != shape or tuple(lse.shape) != shape[:-1]:
+            raise InputError(f"parts[{i}] has out {tuple(out.shape)} and lse {tuple(lse.shape)}; expected "
+                             f"out {shape} and lse {shape[:-1]}, as parts[0]'s out")
+        if lse.dtype not in (torch.float32, torch.float64):
+            raise InputError(f"parts[{i}]'s lse has dtype {lse.dtype}; expected float32 or float64")
+        if out.device != device or lse.device != device:
+            raise InputError(f"parts[{i}] is on {out.device} / {lse.device}; expected {device}, as parts[0]")

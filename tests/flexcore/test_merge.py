@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flexcore.errors import InputError
 from flexcore.kernels.merge import merge
 
 
@@ -125,3 +126,16 @@ def test_merge_refuses_a_second_derivative():
     (grad,) = torch.autograd.grad(out, parts[0][0], grad_outputs=weights, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable"):
         grad.sum().backward()
+
+
+@pytest.mark.parametrize("bad, match", [
+    (lambda p: [p[0], (p[1][0][..., :-1], p[1][1])], r"parts\[1\] has out \(2, 3, 37, 39\)"),
+    (lambda p: [p[0], (p[1][0], p[1][1][..., :-1])], r"parts\[1\] has out .* and lse \(2, 3, 36\)"),
+    (lambda p: [p[0], (p[1][0], p[1][1].half())], r"parts\[1\]'s lse has dtype torch.float16"),
+    (lambda p: [p[0], p[1][0]], r"parts\[1\] is not an \(out, lse\) pair"),
+    (lambda p: [], "parts is empty"),
+])
+def test_merge_refuses_parts_it_cannot_read_as_rows(bad, match):
+    parts = [(o.detach(), l.detach()) for o, l in _parts(2, torch.float32, seed=9)]
+    with pytest.raises(InputError, match=match):
+        merge(bad(parts), torch.float32)
