@@ -27,7 +27,7 @@ import hashlib
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -381,8 +381,10 @@ def register_call(score, mask, dtype: torch.dtype, device_type: str, kernel_opti
     if device_type != "cuda" and not use_interpreter():
         raise InputError(f"flexcore's kernels run on CUDA tensors on this machine; query is on "
                          f"{device_type}. Move the inputs with .cuda(), or use flexcore.reference")
-    opts = KernelOptions.from_any(dict(kernel_options) if isinstance(kernel_options, tuple)
-                                  else kernel_options)
+    kernel_options = _rebuilt(kernel_options)
+    if isinstance(kernel_options, tuple):  # a dict's items
+        kernel_options = {k: _rebuilt(v) for k, v in kernel_options}
+    opts = KernelOptions.from_any(kernel_options)
     score_grads = () if score is None else tuple(i for i, (_, _, grad) in enumerate(score[1]) if grad)
     text = repr((_describe(score), _describe(mask), str(dtype), opts, want_max))
     key = "flexcore-" + hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -390,6 +392,34 @@ def register_call(score, mask, dtype: torch.dtype, device_type: str, kernel_opti
         if key not in _calls:
             _calls[key] = CallSpec(key, dtype, score, mask, score_grads, opts, want_max)
     return key
+
+
+_DATACLASS = "\x00dataclass"
+
+
+def _plain(kernel_options):
+    """``kernel_options`` in a form Dynamo passes to :func:`register_call` as a constant: a dict
+    as its items, with a dataclass value (a DispatchPolicy) as (tag, its class, its fields'
+    items), which Dynamo cannot rebuild itself; :func:`_rebuilt` undoes it. None and a
+    KernelOptions pass unchanged."""
+    if isinstance(kernel_options, dict):
+        return tuple((k, _plain_value(v)) for k, v in kernel_options.items())
+    return kernel_options
+
+
+def _plain_value(value):
+    if isinstance(value, (bool, int, float, str, tuple, type(None))):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (_DATACLASS, type(value),
+                tuple((f.name, _plain_value(getattr(value, f.name))) for f in dataclasses.fields(value)))
+    return value
+
+
+def _rebuilt(value):
+    if isinstance(value, tuple) and len(value) == 3 and value[0] == _DATACLASS:
+        return value[1](**{name: _rebuilt(v) for name, v in value[2]})
+    return value
 
 
 def _describe(constants) -> str:
@@ -682,6 +712,75 @@ torch.library.register_autograd("flexcore::flex_attention_forward", _backward,
 
 
 # ----------------------------------------------------------------------------------------------
+# The inline forward: an op whose kernel Inductor launches from its own code
+# ----------------------------------------------------------------------------------------------
+
+# A compiled call pays torch's compiled-function wrappers plus, for an op that runs Python, the
+# op's dispatch and body; at small shapes that host time exceeds the kernel's. A ``triton_op`` is
+# traced into the graph instead, and Inductor launches its kernel directly
+# (docs/decisions.md#compiled-host-path). Calls it does not suit (see inline_forward) trace into
+# flexcore's forward op from its body.
+@torch.library.triton_op("flexcore::flex_attention_forward_inline", mutates_args={})
+def flex_attention_forward_inline(
+        query: Tensor, key: Tensor, value: Tensor, kv_num_blocks: Optional[Tensor],
+        kv_indices: Optional[Tensor], full_kv_num_blocks: Optional[Tensor],
+        full_kv_indices: Optional[Tensor], q_num_blocks: Optional[Tensor], q_indices: Optional[Tensor],
+        full_q_num_blocks: Optional[Tensor], full_q_indices: Optional[Tensor],
+        score_captured: list[Tensor], mask_captured: list[Tensor], score_ints: list[int],
+        score_floats: list[float], mask_ints: list[int], mask_floats: list[float], block: list[int],
+        call: str, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """flex_attention_forward's contract. Where :func:`inline_forward` allows, through
+    flexcore.kernels.forward.forward_inline: the Triton template with decisions from shapes alone,
+    so that it traces with fake tensors."""
+    from flexcore import attention
+    from flexcore.kernels.forward import forward_inline
+    from flexcore.kernels.tables import BlockTensors
+
+    spec = spec_of(call)
+    numbers = (tuple(score_ints), tuple(score_floats), tuple(mask_ints), tuple(mask_floats))
+    if not inline_forward(spec, query, key, value, (*block, *numbers[0], *numbers[2])):
+        return torch.ops.flexcore.flex_attention_forward.default(
+            query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+            q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, score_captured,
+            mask_captured, score_ints, score_floats, mask_ints, mask_floats, block, call, scale)
+    attention.ready()
+    lowered = spec.lowered(numbers)
+    score, mask = spec.bind(lowered, score_captured, mask_captured)
+    B, Hq, L = query.shape[:3]
+    attention.check_indices(score, mask, B, Hq, L, key.shape[2], spec.opts)
+    blocks = None if kv_num_blocks is None else BlockTensors.expanded(
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, tuple(block[:2]), B, Hq)
+    if key.shape[0] != B:  # a shared (batch 1) cache is read through stride-0 views
+        key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)
+    return forward_inline(query, key, value, score, mask, blocks, scale, spec.opts)
+
+
+torch.library.register_autograd("flexcore::flex_attention_forward_inline", _backward,
+                                setup_context=_setup_context)
+
+
+def inline_forward(spec: CallSpec, query: Tensor, key: Tensor, value: Tensor, ints: tuple) -> bool:
+    """Whether the inline forward serves a call: calls with static shapes and numbers that the
+    forward kernel (not the decode kernel) serves without run-time index checks, on CUDA; by the
+    launch policy's ``inline`` rule: "auto" 16-bit inputs up to inline_max_flops, "on" all."""
+    from flexcore._runtime import use_interpreter
+    from flexcore.kernels import decode
+
+    rule = spec.opts.dispatch.launch
+    shapes = (*query.shape, *key.shape, *value.shape)
+    # Under the interpreter only where asked for ("on"): Inductor cannot trace its launches.
+    on_device = query.device.type == "cuda" or (use_interpreter() and rule.inline == "on")
+    if (rule.inline == "off" or not on_device or spec.opts.check_indices
+            or not all(type(x) is int for x in (*shapes, *ints))
+            or decode.use_decode_kernel(query.shape[2], spec.opts)):
+        return False
+    B, Hq, L, D = query.shape
+    flops = 4.0 * B * Hq * L * key.shape[2] * max(D, value.shape[-1])
+    return rule.inline == "on" or (query.dtype in (torch.float16, torch.bfloat16)
+                                   and flops <= rule.inline_max_flops)
+
+
+# ----------------------------------------------------------------------------------------------
 # The call Dynamo traces
 # ----------------------------------------------------------------------------------------------
 
@@ -708,12 +807,15 @@ def compiled_flex_attention(query, key, value, score_mod, block_mask, scale, ena
         tables = (block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
                   block_mask.full_kv_indices, block_mask.q_num_blocks, block_mask.q_indices,
                   block_mask.full_q_num_blocks, block_mask.full_q_indices)
-    if isinstance(kernel_options, dict):
-        kernel_options = tuple(kernel_options.items())
+    kernel_options = _plain(kernel_options)
     call = register_call(None if score is None else score.constants,
                          None if mask is None else mask.constants, query.dtype, device.type,
                          kernel_options, want_max)
-    out, lse, row_stats = torch.ops.flexcore.flex_attention_forward.default(
+    # On CUDA the inline op decides, with the shapes it is traced with, whether to launch the
+    # kernel itself or to call flexcore's forward op.
+    op = (torch.ops.flexcore.flex_attention_forward_inline.default if device.type == "cuda"
+          else torch.ops.flexcore.flex_attention_forward.default)
+    out, lse, row_stats = op(
         query, key, value, *tables, [] if score is None else score.captured,
         [] if mask is None else mask.captured, [] if score is None else score.ints,
         [] if score is None else score.floats, [] if mask is None else mask.ints,

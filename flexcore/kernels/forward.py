@@ -514,9 +514,8 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
     flexcore.kernels.hopper serves the call: (its result, None, None for the dense kernel or the
     masked kernel's launch with the mask's tables bound)."""
     B, Hq, L, D = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
-    sparse_q, sparse_kv = blocks.sparse_block
-    q_rows = math.ceil(L / sparse_q)
+    S, Dv = k.shape[2], v.shape[3]
+    sparse_q = blocks.sparse_block[0]
     dense = is_dense(blocks, L, S, opts)
     gluon = gluon_choice(q, k, v, score_lowered, mask_lowered, blocks, dense, scale, opts)
     if gluon is not None and gluon[0] == "dense":
@@ -535,14 +534,7 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
             return result, None, run
     module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
     fp8 = descales is not None
-    out = empty_output(q, Dv, OUTPUT_DTYPE if fp8 else None)
-    import triton.language as tl  # after prepare_triton(): see flexcore._runtime
-
-    fp64 = q.dtype == torch.float64
-    acc_dtype = torch.float64 if fp64 else torch.float32
-    lse = torch.empty((B, Hq, L), dtype=acc_dtype, device=q.device)
-    row_stats = torch.empty((2, B, Hq, L), dtype=acc_dtype, device=q.device)  # see RowStats
-    head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
+    out, lse, row_stats = _outputs(q, Dv, fp8)
     choice = template_choice(q, k, v, score_lowered, module, blocks, dense, opts)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("forward: Triton template, tables %s, dense=%s full_runs=%s tma=%s kv_rows=%s "
@@ -551,40 +543,10 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
                    choice.order is not None, choice.meta or "autotuned")
     tma, runs, q_desc_rows, order = choice.tma, choice.full_runs, choice.q_desc_rows, choice.order
     k_desc, v_desc, kernel, meta = choice.k_desc, choice.v_desc, choice.kernel, choice.meta
-    even_kv = S % sparse_kv == 0
     kv_rows = k_desc is not None
-    full_n, full_i = blocks.full_tables()
-    upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16, FP8_DTYPE)
-    precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
-
-    # The arguments are (tensors of the call, fixed, captures): a plan keeps ``fixed``.
-    fixed = (
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        blocks.num_blocks, blocks.indices, full_n, full_i,
-        *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
-        *full_n.stride(), *full_i.stride()[:3],
-        order if order is not None else blocks.num_blocks, q_rows, q_desc_rows,
-        B * Hq * L, L, S, Hq, *scale_args(scale, q.dtype),
-        *(descales.layout if fp8 else (0,) * 7),
-    )
-    # The descale tensors are per call, as the captures (a plan passes each call's); unread
-    # without FP8, where lse stands in for them.
-    scales = descales[:3] if fp8 else (lse, lse, lse)
-    args = (q, k if k_desc is None else k_desc, v if v_desc is None else v_desc, out, lse, row_stats,
-            *scales, *fixed, *caps)
-    constexprs = dict(
-        GQA_GROUP=Hq // Hkv,
-        HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
-        SPARSE_Q_BLOCK=sparse_q, SPARSE_KV_BLOCK=sparse_kv,
-        HAS_FULL_BLOCKS=blocks.full_num_blocks is not None,
-        EVEN_Q=L % sparse_q == 0,  # tiles divide mask blocks, so this covers every BLOCK_M
-        EVEN_KV=even_kv,
-        # The trivial path folds the scale into the row max, which needs scale > 0.
-        SCORE_IS_TRIVIAL=score_lowered.is_trivial and scale > 0, UPCAST_DOT=upcast, INPUT_PRECISION=precision,
-        ACC_DTYPE=tl.float64 if fp64 else tl.float32,
-        USE_TMA=tma, USE_ORDER=order is not None, DENSE=dense, FULL_RUNS=runs, KV_ROWS=kv_rows,
-        FP8=fp8,
-    )
+    args, fixed, constexprs = _template_args(
+        q, k, v, out, lse, row_stats, blocks, order, q_desc_rows, score_lowered, scale, opts, caps,
+        descales, stand_in=lse, dense=dense, tma=tma, runs=runs, k_desc=k_desc, v_desc=v_desc)
     if order is not None:
         def grid(bm, _bn):  # one program per tile, in the order's order
             return (order.numel() * (sparse_q // bm), 1)
@@ -603,3 +565,108 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
     if kv_rows:  # the rows and the BLOCK_N that the launch gave them (fit_kv_blocks)
         kv_desc = ((k_desc.shape[0], v_desc.shape[0]), k_desc.block_shape[0])
     return (out, lse, row_stats), fixed, kv_desc
+
+
+def _outputs(q, head_dim_v: int, fp8: bool):
+    """Fresh (out, lse, row_stats) of the forward kernel (see :func:`forward`)."""
+    B, Hq, L = q.shape[:3]
+    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = empty_output(q, head_dim_v, OUTPUT_DTYPE if fp8 else None)
+    lse = torch.empty((B, Hq, L), dtype=acc_dtype, device=q.device)
+    row_stats = torch.empty((2, B, Hq, L), dtype=acc_dtype, device=q.device)  # see RowStats
+    return out, lse, row_stats
+
+
+def _template_args(q, k, v, out, lse, row_stats, blocks: BlockTensors, order, q_desc_rows: int,
+                   score_lowered, scale: float, opts: KernelOptions, caps: tuple, descales,
+                   *, stand_in, dense: bool, tma: bool, runs: bool, k_desc=None, v_desc=None):
+    """(arguments, fixed, constexprs) of the Triton template: the arguments are (tensors of the
+    call, fixed, captures), and a plan keeps ``fixed``. ``k_desc``/``v_desc``: host descriptors
+    that the kernel reads K and V through, or None; ``stand_in`` takes the place of the descale
+    pointers that a call without FP8 does not read."""
+    B, Hq, L, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    sparse_q, sparse_kv = blocks.sparse_block
+    fp8 = descales is not None
+    full_n, full_i = blocks.full_tables()
+    fixed = (
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        blocks.num_blocks, blocks.indices, full_n, full_i,
+        *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
+        *full_n.stride(), *full_i.stride()[:3],
+        order if order is not None else blocks.num_blocks, math.ceil(L / sparse_q), q_desc_rows,
+        B * Hq * L, L, S, Hq, *scale_args(scale, q.dtype),
+        *(descales.layout if fp8 else (0,) * 7),
+    )
+    # The descale tensors are per call, as the captures (a plan passes each call's).
+    scales = descales[:3] if fp8 else (stand_in,) * 3
+    args = (q, k if k_desc is None else k_desc, v if v_desc is None else v_desc, out, lse, row_stats,
+            *scales, *fixed, *caps)
+    upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16, FP8_DTYPE)
+    constexprs = dict(
+        GQA_GROUP=Hq // Hkv,
+        HEAD_DIM=D, HEAD_DIM_PAD=pad_head_dim(D), HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=pad_head_dim(Dv),
+        SPARSE_Q_BLOCK=sparse_q, SPARSE_KV_BLOCK=sparse_kv,
+        HAS_FULL_BLOCKS=blocks.full_num_blocks is not None,
+        EVEN_Q=L % sparse_q == 0,  # tiles divide mask blocks, so this covers every BLOCK_M
+        EVEN_KV=S % sparse_kv == 0,
+        # The trivial path folds the scale into the row max, which needs scale > 0.
+        SCORE_IS_TRIVIAL=score_lowered.is_trivial and scale > 0, UPCAST_DOT=upcast,
+        INPUT_PRECISION="tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee",
+        ACC_FP64=q.dtype == torch.float64,
+        USE_TMA=tma, USE_ORDER=order is not None, DENSE=dense, FULL_RUNS=runs,
+        KV_ROWS=k_desc is not None, FP8=fp8,
+    )
+    return args, fixed, constexprs
+
+
+# The key-block tables of a call without a mask on the inline path: DENSE visits every key tile
+# and reads no table, so one int32 zero stands in for each.
+_DENSE_SPARSE_BLOCK = (128, 128)
+
+
+def forward_inline(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors | None, scale: float,
+                   opts: KernelOptions):
+    """(out, lse, row_stats) of the Triton template launched through ``torch.library.wrap_triton``,
+    for the compiled call that Inductor launches itself (flexcore.ops, "inline" forward). Every
+    decision reads shapes, dtypes and options only (no table statistics, timings or host
+    descriptors), so that it can be traced with fake tensors: natural launch order, pointer loads,
+    the first tile candidate. ``blocks`` None: no mask (the dense path)."""
+    from torch.library import wrap_triton
+
+    B, Hq, L, D = q.shape
+    Dv = v.shape[3]
+    dense = blocks is None
+    if dense:
+        zero = torch.zeros((B, Hq, 1), dtype=torch.int32, device=q.device)
+        blocks = BlockTensors(zero, zero.unsqueeze(-1), None, None, _DENSE_SPARSE_BLOCK)
+    sparse_q, sparse_kv = blocks.sparse_block
+    module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
+    kernel = module.flex_forward_kernel
+    out, lse, row_stats = _outputs(q, Dv, False)
+    # Inductor passes each argument once: the unread descale pointers get their own stand-in.
+    stand_in = torch.empty((1,), dtype=lse.dtype, device=q.device)
+    caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
+    args, _, constexprs = _template_args(q, k, v, out, lse, row_stats, blocks, None, 0, score_lowered,
+                                         scale, opts, caps, None, stand_in=stand_in, dense=dense,
+                                         tma=False, runs=False)
+    itemsize = q.element_size()
+    m, n, w, st = _candidates(max(pad_head_dim(D), pad_head_dim(Dv)), itemsize, dense, (sparse_q, sparse_kv))[0]
+    bm = check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(m, sparse_q, "query")
+    bn = check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(n, sparse_kv, "key")
+    # torch's kernel wrapper binds arguments by name without the signature's defaults: pass every
+    # constexpr.
+    for name, default in _constexpr_defaults(kernel).items():
+        constexprs.setdefault(name, default)
+    wrap_triton(kernel)[((L + bm - 1) // bm, B * Hq, 1)](
+        *args, **constexprs, BLOCK_M=bm, BLOCK_N=bn, num_warps=opts.num_warps or w,
+        num_stages=opts.num_stages or st)
+    return out, lse, row_stats
+
+
+@functools.lru_cache(maxsize=64)
+def _constexpr_defaults(kernel) -> dict:
+    import inspect
+
+    return {name: p.default for name, p in inspect.signature(kernel.fn).parameters.items()
+            if p.default is not inspect.Parameter.empty}

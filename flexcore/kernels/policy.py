@@ -166,6 +166,12 @@ class LaunchPolicy:
     compile_threads: int | None = None
     #: How timed candidates are compared and remembered (repetitions, tie rule, plan cache).
     tune: TuneRule = TuneRule()
+    #: Under torch.compile on CUDA, the forward as an op that Inductor launches itself (the Triton
+    #: template with decisions from shapes alone). auto: for static shapes whose dense-equivalent
+    #: work is at most inline_max_flops, where the host's time per call outweighs the kernel
+    #: choice; on: wherever it applies; off: never (every call through flexcore's own dispatch).
+    inline: Switch = "auto"
+    inline_max_flops: float = 3.5e10
 
     def __post_init__(self):
         _check_fields(self)

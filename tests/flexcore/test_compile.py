@@ -267,6 +267,29 @@ def test_inference_and_kernel_options():
     torch.testing.assert_close(out, fn(q, k, v), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("form", ["options", "dict"])
+def test_kernel_options_holding_a_policy(form):
+    """kernel_options holding a DispatchPolicy (nested frozen dataclasses), as a KernelOptions or
+    inside a dict, compile in one graph and reach the call unchanged; another policy recompiles."""
+    from flexcore import KernelOptions
+    from flexcore.kernels.policy import DispatchPolicy
+
+    q, k, v = qkv(64, seed=10)
+    bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    results = []
+    for refine in ("off", "on"):
+        torch._dynamo.reset()
+        policy = DispatchPolicy().replace(forward={"refine": refine}, launch={"inline": "off"})
+        options = (KernelOptions(BLOCK_M=16, policy=policy) if form == "options"
+                   else {"BLOCK_M": 16, "policy": policy})
+        fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=bm, kernel_options=options),
+                           fullgraph=True, backend="aot_eager")
+        results.append(fn(q, k, v))
+        specs = [spec for spec in ops._calls.values() if spec.opts.policy == policy]
+        assert specs and all(spec.opts.BLOCK_M == 16 for spec in specs)
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+
+
 def test_python_constants_of_a_mod_are_guarded():
     """A mod's Python constant (a bias scale) is part of the recorded program: changing it
     retraces, and the compiled call follows."""
@@ -308,7 +331,7 @@ def test_unsupported_mod_fails_with_its_name():
 
 # -- the ops themselves --------------------------------------------------------------------------
 
-def registered_call(L=64, seed=12):
+def registered_call(L=64, seed=12, kernel_options=None):
     """(args of flexcore::flex_attention_forward, slopes) for a causal ALiBi call."""
     attention.ready()
     g = torch.Generator().manual_seed(seed)
@@ -321,7 +344,7 @@ def registered_call(L=64, seed=12):
     device = torch.device("cpu")
     score = ops.record(alibi, "score", torch.float32, device)
     mask = ops.record(causal, "mask", torch.float32, device)
-    call = ops.register_call(score.constants, mask.constants, torch.float32, "cpu", None, False)
+    call = ops.register_call(score.constants, mask.constants, torch.float32, "cpu", kernel_options, False)
     # Queries laid out (B, L, H, D) in memory: the output keeps that order.
     q = torch.randn(2, L, H, D, generator=g).transpose(1, 2).requires_grad_()
     k, v = (torch.randn(2, H, L, D, generator=g, requires_grad=True) for _ in range(2))
@@ -353,6 +376,80 @@ def test_opcheck_backward_op():
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
     dq, dk, dv, (dslopes,) = torch.ops.flexcore.flex_attention_backward(*bwd_args)
     assert dslopes.shape == slopes.shape and dslopes.abs().sum() > 0
+
+
+def test_inline_forward_op_against_float64():
+    """The inline forward op (the kernel Inductor launches; eagerly here, through the interpreter)
+    on a causal ALiBi call whose queries are laid out (B, L, H, D): output and lse as the float64
+    reference within twice torch's own error, the output in the query's stride order, and the
+    gradients through its registered autograd equal to those through flexcore's forward op."""
+    from flexcore.kernels.policy import DispatchPolicy
+
+    # float32 (the interpreter's) is not inline's by default: the policy asks for it.
+    args, slopes = registered_call(L=96, kernel_options={
+        "policy": DispatchPolicy().replace(launch={"inline": "on"})})
+    q, k, v = args[:3]
+    spec = ops.spec_of(args[-2])
+    assert ops.inline_forward(spec, q, k, v, ())
+    out, lse, _ = torch.ops.flexcore.flex_attention_forward_inline(*args)
+    assert out.stride() == torch.ops.flexcore.flex_attention_forward(*args)[0].stride()
+    bm = create_block_mask(causal, None, None, 96, 96, device="cpu", BLOCK_SIZE=32)
+
+    def alibi_of(s):
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - s[h] * (q_idx - kv_idx) * 0.5
+        return alibi
+
+    gold, gold_lse = flex_attention_reference(q.double(), k.double(), v.double(),
+                                              score_mod=alibi_of(slopes.double()), block_mask=bm,
+                                              return_lse=True, upcast=True)
+    base, base_lse = flex_attention_reference(q, k, v, score_mod=alibi_of(slopes), block_mask=bm,
+                                              return_lse=True, upcast=False)
+    assert_close_to_reference(out, gold, base, name="out", metric="rel_fro")
+    assert_close_to_reference(lse, gold_lse, base_lse, name="lse", metric="rel_fro")
+    weights = torch.randn_like(out)
+    grads = []
+    for op in (torch.ops.flexcore.flex_attention_forward_inline, torch.ops.flexcore.flex_attention_forward):
+        o, l, _ = op(*args)
+        grads.append(torch.autograd.grad((o * weights).sum() + l.sum(), (q, k, v, slopes)))
+    for name, a, b in zip(("dq", "dk", "dv", "dslopes"), *grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_inline_forward_choice():
+    """The launch policy's inline rule: 16-bit forward-kernel calls on CUDA with static shapes, up
+    to inline_max_flops of dense-equivalent work; never float32, CPU tensors, decode-length
+    queries, run-time index checks, symbolic sizes or "off"; every size with "on"."""
+    from flexcore.kernels.policy import DispatchPolicy
+
+    def choice(dtype=torch.bfloat16, L=1024, device="meta", ints=(), **options):
+        options.setdefault("policy", DispatchPolicy())
+        spec = ops.spec_of(ops.register_call(None, None, dtype, "cpu", options, False))
+        q = torch.empty(2, 8, L, 64, dtype=dtype, device=device)
+        kv = torch.empty(2, 8, 1024, 64, dtype=dtype, device=device)
+        if device == "meta":  # stands in for CUDA: the rule reads the device type only
+            q = FakeCuda(q)
+        return ops.inline_forward(spec, q, kv, kv, ints)
+
+    big = DispatchPolicy().replace(launch={"inline_max_flops": 1e9})
+    assert choice()
+    assert choice(torch.float16)
+    assert not choice(torch.float32)
+    assert not choice(device="cpu")  # without "on" under the interpreter
+    assert not choice(L=16)
+    assert not choice(check_indices=True)
+    assert not choice(ints=(torch.SymInt,))
+    assert not choice(policy=DispatchPolicy().replace(launch={"inline": "off"}))
+    assert not choice(policy=big)
+    assert choice(policy=big.replace(launch={"inline": "on"}))
+    assert choice(torch.float32, policy=big.replace(launch={"inline": "on"}))
+
+
+class FakeCuda:
+    """A tensor's shape, dtype and a CUDA device, as inline_forward reads them."""
+
+    def __init__(self, t):
+        self.shape, self.dtype, self.device = t.shape, t.dtype, torch.device("cuda")
 
 
 def test_registry_keys_are_structural():

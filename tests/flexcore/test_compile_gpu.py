@@ -114,3 +114,71 @@ def test_compiled_attention_against_float64_gpu(dtype):
     for name, a, e, gold, b in zip(("dq", "dk", "dv", "dslopes"), got, eager, golden, base):
         torch.testing.assert_close(a, e, rtol=tol, atol=tol, msg=f"{name}: compiled vs eager")
         assert_close_to_reference(a, gold, b, name=name, metric="rel_fro")
+
+
+def _document(doc):
+    def document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+    return document
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "document"])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_inline_forward_gpu(mask, D, dtype):
+    """Small compiled calls take the inline forward (the kernel launched from Inductor's code, no
+    flexcore op call left in the forward graph's code): with GQA, a learnable ALiBi slope and an
+    lse-using loss, the output, lse and every gradient lie within twice torch's own error of the
+    float64 reference; the same call in float32 runs flexcore's op."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    g = torch.Generator(device=DEVICE).manual_seed(seed_of("inline", mask, D, str(dtype)))
+    B, Hq, Hkv, L = 2, 8, 2, 640  # 640: a ragged last 128-block
+    q = torch.randn(B, Hq, L, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(B, Hkv, L, D, device=DEVICE, generator=g).to(dtype).requires_grad_()
+            for _ in range(2))
+    slopes = torch.rand(Hq, device=DEVICE, generator=g).requires_grad_()
+    w_out = torch.randn(B, Hq, L, D, device=DEVICE, generator=g, dtype=torch.float64)
+    w_lse = torch.randn(B, Hq, L, device=DEVICE, generator=g, dtype=torch.float64)
+    doc = torch.div(torch.arange(L, device=DEVICE), 200, rounding_mode="floor")
+    mask_mod = {"none": None, "causal": causal, "document": _document(doc)}[mask]
+    bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, L, L, device=DEVICE)
+
+    def attend(kernel_options=None, reference=None):
+        def run(q, k, v, s):
+            def alibi(score, b, h, q_idx, kv_idx):
+                return score - s[h] * (q_idx - kv_idx).abs()
+
+            if reference is not None:
+                return flex_attention_reference(q, k, v, score_mod=alibi, block_mask=bm, enable_gqa=True,
+                                                return_lse=True, upcast=reference)
+            out, aux = flex_attention(q, k, v, score_mod=alibi, block_mask=bm, enable_gqa=True,
+                                      return_aux=AuxRequest(lse=True), kernel_options=kernel_options)
+            return out, aux.lse
+        return run
+
+    def results(fn, tensors):
+        leaves = [t.detach().clone().requires_grad_() for t in tensors]
+        out, lse = fn(*leaves)
+        ((out.double() * w_out).sum() + (lse.double() * w_lse).sum()).backward()
+        return [out.detach(), lse.detach(), *[t.grad for t in leaves]]
+
+    inputs = (q, k, v, slopes)
+    compiled = torch.compile(attend(), fullgraph=True)
+    got, codes = run_and_get_code(lambda: results(compiled, inputs))
+    assert "flex_forward_kernel" in codes[0] and "flexcore.flex_attention_forward" not in codes[0]
+    golden = results(attend(reference=True), [t.double() for t in inputs])
+    base = results(attend(reference=False), inputs)
+    for name, a, gold, b in zip(("out", "lse", "dq", "dk", "dv", "dslopes"), got, golden, base):
+        assert_close_to_reference(a, gold, b, name=f"{mask}/D{D}: {name}", metric="rel_fro")
+
+    # float32 is not inline's (the policy's default): the same call runs flexcore's forward op.
+    torch._dynamo.reset()
+    inputs32 = [t.float() for t in inputs[:3]] + [slopes]
+    got32, codes = run_and_get_code(lambda: results(torch.compile(attend(), fullgraph=True), inputs32))
+    assert "flexcore.flex_attention_forward.default" in codes[0]
+    base32 = results(attend(reference=False), inputs32)
+    for name, a, gold, b in zip(("out", "lse"), got32, golden, base32):
+        assert_close_to_reference(a, gold, b, name=f"{mask}/D{D} float32: {name}", metric="rel_fro")
+
