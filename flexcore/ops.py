@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from flexcore.errors import InputError, ModError
+from flexcore.lowering.indexcheck import decided_without_evaluation
 
 __all__ = ["record", "register_call", "compiled_flex_attention", "flex_attention_forward",
            "flex_attention_backward"]
@@ -729,25 +730,22 @@ def flex_attention_forward_inline(
         score_captured: list[Tensor], mask_captured: list[Tensor], score_ints: list[int],
         score_floats: list[float], mask_ints: list[int], mask_floats: list[float], block: list[int],
         call: str, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """flex_attention_forward's contract. Where :func:`inline_forward` allows, through
+    """flex_attention_forward's contract. Where :func:`inline_call` allows, through
     flexcore.kernels.forward.forward_inline: the Triton template with decisions from shapes alone,
     so that it traces with fake tensors."""
     from flexcore import attention
     from flexcore.kernels.forward import forward_inline
     from flexcore.kernels.tables import BlockTensors
 
-    spec = spec_of(call)
-    numbers = (tuple(score_ints), tuple(score_floats), tuple(mask_ints), tuple(mask_floats))
-    if not inline_forward(spec, query, key, value, (*block, *numbers[0], *numbers[2])):
-        return torch.ops.flexcore.flex_attention_forward.default(
-            query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+    args = (query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
             q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, score_captured,
             mask_captured, score_ints, score_floats, mask_ints, mask_floats, block, call, scale)
-    attention.ready()
-    lowered = spec.lowered(numbers)
-    score, mask = spec.bind(lowered, score_captured, mask_captured)
-    B, Hq, L = query.shape[:3]
-    attention.check_indices(score, mask, B, Hq, L, key.shape[2], spec.opts)
+    found = inline_call(args)
+    if found is None:
+        return torch.ops.flexcore.flex_attention_forward.default(*args)
+    spec, score, mask, grid = found
+    B, Hq = grid[:2]
+    attention.check_indices(score, mask, *grid, spec.opts)
     blocks = None if kv_num_blocks is None else BlockTensors.expanded(
         kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, tuple(block[:2]), B, Hq)
     if key.shape[0] != B:  # a shared (batch 1) cache is read through stride-0 views
@@ -759,20 +757,50 @@ torch.library.register_autograd("flexcore::flex_attention_forward_inline", _back
                                 setup_context=_setup_context)
 
 
-def inline_forward(spec: CallSpec, query: Tensor, key: Tensor, value: Tensor, ints: tuple) -> bool:
-    """Whether the inline forward serves a call: calls with static shapes and numbers that the
-    forward kernel (not the decode kernel) serves without run-time index checks, on CUDA; by the
-    launch policy's ``inline`` rule: "auto" 16-bit inputs up to inline_max_flops, "on" all."""
+def inline_call(args: tuple):
+    """(spec, score, mask, (B, Hq, L, S)) of a call of the inline op's ``args`` that the inline
+    forward serves (:func:`inline_forward`, and index checks that read no tensor), else None."""
+    from flexcore import attention
+
+    query, key, value = args[:3]
+    score_captured, mask_captured, score_ints, score_floats, mask_ints, mask_floats, block, call, \
+        scale = args[3 + len(_TABLES):]
+    spec = spec_of(call)
+    numbers = (tuple(score_ints), tuple(score_floats), tuple(mask_ints), tuple(mask_floats))
+    if not inline_forward(spec, query, key, value, (*block, *(x for n in numbers for x in n), scale)):
+        return None
+    attention.ready()
+    score, mask = spec.bind(spec.lowered(numbers), score_captured, mask_captured)
+    grid = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    # An index check that evaluates index expressions reads tensors, which are fake while Inductor
+    # traces the op: such calls take flexcore's op, which checks on the call's own tensors.
+    if not (decided_without_evaluation(score, *grid) and decided_without_evaluation(mask, *grid)):
+        return None
+    return spec, score, mask, grid
+
+
+def inline_forward(spec: CallSpec, query: Tensor, key: Tensor, value: Tensor, numbers: tuple) -> bool:
+    """Whether the inline forward serves a call: on CUDA, 16-bit or float32 inputs at head dims up
+    to 128 with static shapes and numbers (Python ints and floats: ``numbers``), that the
+    forward kernel (not the decode kernel) serves without run-time index checks and that no
+    option sends to the Gluon kernels; then by the launch policy's ``inline`` rule: "auto"
+    16-bit inputs up to inline_max_flops, "on" all of them."""
     from flexcore._runtime import use_interpreter
     from flexcore.kernels import decode
+    from flexcore.kernels.forward import pad_head_dim
 
-    rule = spec.opts.dispatch.launch
+    opts = spec.opts
+    rule = opts.dispatch.launch
+    gluon = opts.dispatch.gluon
     shapes = (*query.shape, *key.shape, *value.shape)
     # Under the interpreter only where asked for ("on"): Inductor cannot trace its launches.
     on_device = query.device.type == "cuda" or (use_interpreter() and rule.inline == "on")
-    if (rule.inline == "off" or not on_device or spec.opts.check_indices
-            or not all(type(x) is int for x in (*shapes, *ints))
-            or decode.use_decode_kernel(query.shape[2], spec.opts)):
+    if (rule.inline == "off" or not on_device or opts.check_indices
+            or query.dtype not in (torch.float16, torch.bfloat16, torch.float32)
+            or max(pad_head_dim(query.shape[-1]), pad_head_dim(value.shape[-1])) > 128
+            or opts.backend == "gluon" or "on" in (gluon.dense, gluon.masked)
+            or not all(type(x) in (int, float) for x in (*shapes, *numbers))
+            or decode.use_decode_kernel(query.shape[2], opts)):
         return False
     B, Hq, L, D = query.shape
     flops = 4.0 * B * Hq * L * key.shape[2] * max(D, value.shape[-1])

@@ -167,9 +167,10 @@ class LaunchPolicy:
     #: How timed candidates are compared and remembered (repetitions, tie rule, plan cache).
     tune: TuneRule = TuneRule()
     #: Under torch.compile on CUDA, the forward as an op that Inductor launches itself (the Triton
-    #: template with decisions from shapes alone). auto: for static shapes whose dense-equivalent
-    #: work is at most inline_max_flops, where the host's time per call outweighs the kernel
-    #: choice; on: wherever it applies; off: never (every call through flexcore's own dispatch).
+    #: template with decisions from shapes alone; flexcore.ops.inline_forward says where it
+    #: applies). auto: 16-bit calls whose dense-equivalent work is at most inline_max_flops, where
+    #: the host's time per call outweighs the kernel choice; on: every call it applies to (float32
+    #: too); off: never (every call through flexcore's own dispatch).
     inline: Switch = "auto"
     inline_max_flops: float = 3.5e10
 

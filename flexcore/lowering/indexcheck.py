@@ -460,6 +460,20 @@ def _static_verdict(lowered, shape) -> tuple[_Static, bool]:
     return out, True
 
 
+def decided_without_evaluation(lowered, B: int, H: int, L: int, S: int) -> bool:
+    """Whether :func:`check_indices` decides ``lowered`` (a LoweredMod or None) on this grid
+    without evaluating index expressions with torch: every index is proven by interval analysis
+    or depends on the score or on captured values (which only run-time checks read). Such a
+    check reads no tensor, so it also runs on fake tensors (flexcore.ops traces one so)."""
+    if lowered is None or lowered.graph is None:
+        return True
+    sites = index_sites(lowered)
+    if not sites:
+        return True
+    analysis = _analysis(lowered, (int(B), int(H), int(L), int(S)), _static_range)
+    return all(_in_range(analysis, s) or "score" in s.deps or "values" in s.deps for s in sites)
+
+
 def _lowered_of(mod, kind: str):
     from flexcore.lowering.api import LoweredMod, lower_mask_mod, lower_score_mod
 

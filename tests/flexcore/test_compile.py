@@ -270,23 +270,27 @@ def test_inference_and_kernel_options():
 @pytest.mark.parametrize("form", ["options", "dict"])
 def test_kernel_options_holding_a_policy(form):
     """kernel_options holding a DispatchPolicy (nested frozen dataclasses), as a KernelOptions or
-    inside a dict, compile in one graph and reach the call unchanged; another policy recompiles."""
+    inside a dict, compile in one graph and reach the call unchanged; the same compiled function
+    given another policy recompiles and registers it."""
     from flexcore import KernelOptions
     from flexcore.kernels.policy import DispatchPolicy
 
+    torch._dynamo.reset()
     q, k, v = qkv(64, seed=10)
     bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    block_n = {"options": 16, "dict": 32}[form]  # each form registers calls of its own
+    held = {}
+    fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=bm,
+                                                      kernel_options=held["options"]),
+                       fullgraph=True, backend="aot_eager")
     results = []
     for refine in ("off", "on"):
-        torch._dynamo.reset()
         policy = DispatchPolicy().replace(forward={"refine": refine}, launch={"inline": "off"})
-        options = (KernelOptions(BLOCK_M=16, policy=policy) if form == "options"
-                   else {"BLOCK_M": 16, "policy": policy})
-        fn = torch.compile(lambda q, k, v: flex_attention(q, k, v, block_mask=bm, kernel_options=options),
-                           fullgraph=True, backend="aot_eager")
+        held["options"] = (KernelOptions(BLOCK_M=16, BLOCK_N=block_n, policy=policy) if form == "options"
+                           else {"BLOCK_M": 16, "BLOCK_N": block_n, "policy": policy})
         results.append(fn(q, k, v))
-        specs = [spec for spec in ops._calls.values() if spec.opts.policy == policy]
-        assert specs and all(spec.opts.BLOCK_M == 16 for spec in specs)
+        expected = KernelOptions(BLOCK_M=16, BLOCK_N=block_n, policy=policy)
+        assert any(spec.opts == expected for spec in ops._calls.values()), refine
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
 
 
@@ -389,8 +393,7 @@ def test_inline_forward_op_against_float64():
     args, slopes = registered_call(L=96, kernel_options={
         "policy": DispatchPolicy().replace(launch={"inline": "on"})})
     q, k, v = args[:3]
-    spec = ops.spec_of(args[-2])
-    assert ops.inline_forward(spec, q, k, v, ())
+    assert ops.inline_call(args) is not None  # the op's body takes the inline forward
     out, lse, _ = torch.ops.flexcore.flex_attention_forward_inline(*args)
     assert out.stride() == torch.ops.flexcore.flex_attention_forward(*args)[0].stride()
     bm = create_block_mask(causal, None, None, 96, 96, device="cpu", BLOCK_SIZE=32)
@@ -417,32 +420,41 @@ def test_inline_forward_op_against_float64():
 
 
 def test_inline_forward_choice():
-    """The launch policy's inline rule: 16-bit forward-kernel calls on CUDA with static shapes, up
-    to inline_max_flops of dense-equivalent work; never float32, CPU tensors, decode-length
-    queries, run-time index checks, symbolic sizes or "off"; every size with "on"."""
+    """The launch policy's inline rule: on CUDA, 16-bit calls with static shapes and numbers up to
+    inline_max_flops of dense-equivalent work, and with "on" float32 ones of any size; never
+    float64, head dims above 128, CPU tensors (without "on"), decode-length queries, run-time
+    index checks, a policy that forces a Gluon forward, symbolic sizes or numbers, or "off"."""
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
     from flexcore.kernels.policy import DispatchPolicy
 
-    def choice(dtype=torch.bfloat16, L=1024, device="meta", ints=(), **options):
+    def choice(dtype=torch.bfloat16, L=1024, D=64, device="meta", numbers=(), **options):
         options.setdefault("policy", DispatchPolicy())
         spec = ops.spec_of(ops.register_call(None, None, dtype, "cpu", options, False))
-        q = torch.empty(2, 8, L, 64, dtype=dtype, device=device)
-        kv = torch.empty(2, 8, 1024, 64, dtype=dtype, device=device)
+        q = torch.empty(2, 8, L, D, dtype=dtype, device=device)
+        kv = torch.empty(2, 8, 1024, D, dtype=dtype, device=device)
         if device == "meta":  # stands in for CUDA: the rule reads the device type only
             q = FakeCuda(q)
-        return ops.inline_forward(spec, q, kv, kv, ints)
+        return ops.inline_forward(spec, q, kv, kv, (128, 128, *numbers, 0.125))
 
+    env = ShapeEnv()
     big = DispatchPolicy().replace(launch={"inline_max_flops": 1e9})
+    on = DispatchPolicy().replace(launch={"inline": "on"})
     assert choice()
-    assert choice(torch.float16)
+    assert choice(torch.float16, numbers=(3, 0.5))
     assert not choice(torch.float32)
+    assert choice(torch.float32, policy=on)
+    assert not choice(torch.float64, policy=on)
+    assert not choice(D=256, policy=on)
     assert not choice(device="cpu")  # without "on" under the interpreter
     assert not choice(L=16)
     assert not choice(check_indices=True)
-    assert not choice(ints=(torch.SymInt,))
+    assert not choice(policy=DispatchPolicy().replace(gluon={"masked": "on"}))
+    assert not choice(numbers=(env.create_unbacked_symint(),))
+    assert not choice(numbers=(env.create_unbacked_symfloat(),))
     assert not choice(policy=DispatchPolicy().replace(launch={"inline": "off"}))
     assert not choice(policy=big)
     assert choice(policy=big.replace(launch={"inline": "on"}))
-    assert choice(torch.float32, policy=big.replace(launch={"inline": "on"}))
 
 
 class FakeCuda:
@@ -450,6 +462,33 @@ class FakeCuda:
 
     def __init__(self, t):
         self.shape, self.dtype, self.device = t.shape, t.dtype, torch.device("cuda")
+
+
+def test_inline_call_leaves_evaluated_index_checks_to_flexcores_op():
+    """A mod whose index check evaluates index expressions (not provable from value ranges) is not
+    served inline: that check reads tensors, which are fake while Inductor traces the op."""
+    from flexcore.kernels.policy import DispatchPolicy
+
+    attention.ready()
+    table = torch.ones(64, dtype=torch.int64)
+
+    def roundabout(b, h, q_idx, kv_idx):
+        return table[q_idx - kv_idx + kv_idx] > 0
+
+    device = torch.device("cpu")
+    mask = ops.record(roundabout, "mask", torch.float32, device)
+    options = {"policy": DispatchPolicy().replace(launch={"inline": "on"})}
+    call = ops.register_call(None, mask.constants, torch.float32, "cpu", options, False)
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    bm = create_block_mask(roundabout, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    tables = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+              bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
+    args = (q, k, v, *tables, [], mask.captured, [], [], mask.ints, mask.floats,
+            [*bm.BLOCK_SIZE, *bm.seq_lengths], call, 0.25)
+    assert ops.inline_call(args) is None
+    causal_call = ops.register_call(None, ops.record(causal, "mask", torch.float32, device).constants,
+                                    torch.float32, "cpu", options, False)
+    assert ops.inline_call((*args[:-2], causal_call, 0.25)) is not None
 
 
 def test_registry_keys_are_structural():
