@@ -259,6 +259,16 @@ def _candidates(head_dim_pad: int, itemsize: int, dense: bool,
     return gpu_configs(head_dim_pad, itemsize)
 
 
+def _fixed_tiles(config: tuple[int, int, int, int], sparse: tuple[int, int], opts: KernelOptions) -> dict:
+    """BLOCK_M, BLOCK_N, num_warps and num_stages of one candidate ``config``, fitted to the mask's
+    ``sparse`` blocks; the options' own values, where given, take precedence (checked)."""
+    m, n, w, s = config
+    sparse_q, sparse_kv = sparse
+    bm = check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(m, sparse_q, "query")
+    bn = check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(n, sparse_kv, "key")
+    return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=opts.num_warps or w, num_stages=opts.num_stages or s)
+
+
 def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: int,
               dense: bool = False, warp_spec: bool = False, kv_rows: bool = False):
     """Return (kernel, fixed_meta) where fixed_meta holds the tile constexprs when not autotuning.
@@ -280,11 +290,8 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
         ws = [(c, True) for c in _DENSE_WS_CONFIGS.get(head_dim_pad, [])]
         candidates = ws if ws_only and ws else candidates + ws
     if opts.BLOCK_M or opts.BLOCK_N or not opts.autotune:
-        (m, n, w, s), ws = candidates[0]
-        bm = check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(m, sparse_q, "query")
-        bn = check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(n, sparse_kv, "key")
-        return kernel, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=opts.num_warps or w,
-                            num_stages=opts.num_stages or s, **({"WARP_SPEC": True} if ws else {}))
+        config, ws = candidates[0]
+        return kernel, dict(_fixed_tiles(config, sparse, opts), **({"WARP_SPEC": True} if ws else {}))
     import triton
 
     length_bucket = min(max(q_len, 1).bit_length(), 15)
@@ -640,7 +647,6 @@ def forward_inline(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors | 
     if dense:
         zero = torch.zeros((B, Hq, 1), dtype=torch.int32, device=q.device)
         blocks = BlockTensors(zero, zero.unsqueeze(-1), None, None, _DENSE_SPARSE_BLOCK)
-    sparse_q, sparse_kv = blocks.sparse_block
     module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
     kernel = module.flex_forward_kernel
     out, lse, row_stats = _outputs(q, Dv, False)
@@ -650,17 +656,13 @@ def forward_inline(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors | 
     args, _, constexprs = _template_args(q, k, v, out, lse, row_stats, blocks, None, 0, score_lowered,
                                          scale, opts, caps, None, stand_in=stand_in, dense=dense,
                                          tma=False, runs=False)
-    itemsize = q.element_size()
-    m, n, w, st = _candidates(max(pad_head_dim(D), pad_head_dim(Dv)), itemsize, dense, (sparse_q, sparse_kv))[0]
-    bm = check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(m, sparse_q, "query")
-    bn = check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(n, sparse_kv, "key")
+    tiles = _fixed_tiles(_candidates(max(pad_head_dim(D), pad_head_dim(Dv)), q.element_size(), dense,
+                                     blocks.sparse_block)[0], blocks.sparse_block, opts)
     # torch's kernel wrapper binds arguments by name without the signature's defaults: pass every
     # constexpr.
     for name, default in _constexpr_defaults(kernel).items():
         constexprs.setdefault(name, default)
-    wrap_triton(kernel)[((L + bm - 1) // bm, B * Hq, 1)](
-        *args, **constexprs, BLOCK_M=bm, BLOCK_N=bn, num_warps=opts.num_warps or w,
-        num_stages=opts.num_stages or st)
+    wrap_triton(kernel)[((L + tiles["BLOCK_M"] - 1) // tiles["BLOCK_M"], B * Hq, 1)](*args, **constexprs, **tiles)
     return out, lse, row_stats
 
 

@@ -423,6 +423,16 @@ def _in_range(analysis, site: IndexSite) -> bool:
     return iv.within(-site.size, site.size - 1)
 
 
+def _kind(analysis, site: IndexSite) -> str:
+    """How the static check treats an index: "proven" in range by interval analysis, left to the
+    kernel ("score") or to run-time checks ("values"), or "evaluate"d over the grid with torch."""
+    if _in_range(analysis, site):
+        return "proven"
+    if "score" in site.deps:
+        return "score"
+    return "values" if "values" in site.deps else "evaluate"
+
+
 def _static_verdict(lowered, shape) -> tuple[_Static, bool]:
     """The verdict that holds whatever the captured values are, and whether it may be kept."""
     sites = index_sites(lowered)
@@ -433,12 +443,13 @@ def _static_verdict(lowered, shape) -> tuple[_Static, bool]:
     sizes = dict(zip(_GRID, shape))
     todo = []
     for s in sites:
-        if _in_range(analysis, s):
+        kind = _kind(analysis, s)
+        if kind == "proven":
             out.proven.append(s)
-        elif "score" in s.deps:
+        elif kind == "score":
             out.skipped.append((s, "the index depends on the score, which is only known inside "
                                    "the kernel"))
-        elif "values" in s.deps:
+        elif kind == "values":
             out.dynamic.append(s)
         else:
             todo.append(s)
@@ -471,7 +482,7 @@ def decided_without_evaluation(lowered, B: int, H: int, L: int, S: int) -> bool:
     if not sites:
         return True
     analysis = _analysis(lowered, (int(B), int(H), int(L), int(S)), _static_range)
-    return all(_in_range(analysis, s) or "score" in s.deps or "values" in s.deps for s in sites)
+    return all(_kind(analysis, s) != "evaluate" for s in sites)
 
 
 def _lowered_of(mod, kind: str):
