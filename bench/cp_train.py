@@ -123,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.step()
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
-    # Every rank done before any tears its transport down: a rank whose peer closed the
-    # connection first can abort at exit (seen once with gloo under load).
+    # Every rank done before any tears its transport down.
     dist.barrier()
     dist.destroy_process_group()
     return 0 if all(math.isfinite(x) for x in losses) else 1

@@ -16,7 +16,9 @@ Example (run under ``torchrun --nproc-per-node 2``; gloo on CPUs, NCCL on GPUs):
 """
 from __future__ import annotations
 
+import atexit
 import types
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -65,20 +67,30 @@ def _resolve_group(group, what: str):
     return group
 
 
-_SIDE_GROUPS: dict = {}
+# Side groups per parent group, held no longer than the parent: a process group that outlives
+# destroy_process_group is torn down in interpreter finalization, where gloo's teardown is unsafe.
+_SIDE_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+atexit.register(_SIDE_GROUPS.clear)  # the parent may live until finalization; its side groups do not
 
 
 def _side_group(group, timeout_s: float):
     """A gloo group over the same ranks whose collectives time out after ``timeout_s``: the checks
-    run there, on the host, so that they neither sync a GPU nor hang past the timeout."""
+    run there, on the host, so that they neither sync a GPU nor hang past the timeout. Made again
+    where destroy_process_group has destroyed the one made before."""
     import torch.distributed as dist
 
-    ranks = tuple(dist.get_process_group_ranks(group))
-    key = (ranks, float(timeout_s))
-    if key not in _SIDE_GROUPS:
-        _SIDE_GROUPS[key] = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s),
-                                           backend="gloo", use_local_synchronization=True)
-    return _SIDE_GROUPS[key]
+    sides = _SIDE_GROUPS.setdefault(group, {})
+    side = sides.get(float(timeout_s))
+    if side is not None:
+        try:
+            dist.get_process_group_ranks(side)
+        except (KeyError, ValueError, RuntimeError):  # destroyed with its world
+            side = None
+    if side is None:
+        side = sides[float(timeout_s)] = dist.new_group(
+            dist.get_process_group_ranks(group), timeout=timedelta(seconds=timeout_s), backend="gloo",
+            use_local_synchronization=True)
+    return side
 
 
 def _agree(group, timeout_s: float, error: str | None, signature: dict, what: str,
@@ -689,9 +701,7 @@ def _ring(call, mask: ContextParallelMask, q, k, v, group, token):
             recv = hop <= last[src_next]
             if send or recv:
                 if send:
-                    for w in works:
-                        w.wait()
-                    works = []
+                    works = _waited(works, arrived)
                 spec = {"group": group, "send_to": global_rank[(rank + 1) % world] if send else None,
                         "recv_from": global_rank[(rank - 1) % world] if recv else None,
                         "shapes": [(tuple(k.shape), k.dtype, k.device), (tuple(v.shape), v.dtype, v.device)]}
@@ -703,9 +713,7 @@ def _ring(call, mask: ContextParallelMask, q, k, v, group, token):
                 held[hop] = (k, v, [], None)  # nothing travels: a placeholder never read
         src = (rank - t) % world
         if mask.need[rank][src]:
-            for w in works:
-                w.wait()
-            works = []
+            works = _waited(works, arrived)
             # P2P ops between two ranks match in the order they are issued, and the backward's
             # hops are issued in descending order along the token chain: an early exchange keeps
             # that order only where this rank sends nothing at this hop or any later one.
@@ -713,9 +721,19 @@ def _ring(call, mask: ContextParallelMask, q, k, v, group, token):
                     and torch.is_grad_enabled():
                 kt, vt = _GradHop.apply(arrived, kt, vt)
             parts.append(call(q, kt, vt, src, mask.sources[src]))
-        for w in works:  # data only relayed onward was waited above before its send
-            w.wait()
+        _waited(works, arrived)  # data only relayed onward was waited above before its send
     return parts, [], token
+
+
+def _waited(works: list, spec: dict | None) -> list:
+    """Wait for a hop's transfers, and drop their handles and sent buffers from its spec, which
+    the autograd graph holds (handles kept past destroy_process_group outlive their group)."""
+    for w in works:
+        w.wait()
+    if spec is not None:
+        spec["works"] = []
+        spec.pop("sent", None)
+    return []
 
 
 # ---- the entry point ---------------------------------------------------------------------------

@@ -16,7 +16,8 @@ from bench import cp
 from bench.runner import load_results
 
 ROOT = Path(__file__).resolve().parents[2]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+# PYTHONFAULTHANDLER: a rank that aborts prints where (its Python stack, or none: in teardown).
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONFAULTHANDLER": "1"}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 #: A progress line of a finished measurement: "[i/N] <variant> S=<S> <provider> world=<W>: <ms> ms, ..."
 DONE = re.compile(r"^\[(\d+)/(\d+)\] (\S+) S=(\d+) (\S+) world=(\d+): ([0-9.e+-]+) ms, ", re.M)

@@ -166,6 +166,32 @@ def _worker_bad_input(rank, world, port, out_dir):
     os._exit(0)  # no teardown: rank 0's timed-out group cannot finish its barrier
 
 
+def _worker_reinit(rank, world, port, out_dir, second_port):
+    """Two process groups one after the other in one process (as a job that restarts its group):
+    the second group's calls check their inputs on a group of their own world, not on the one that
+    the first world's destroy_process_group destroyed."""
+    import torch.distributed as dist
+
+    from flexcore.distributed import _side_group
+
+    try:
+        mask_mod, _, _ = make_mods("causal", "cpu")
+        q, k, v, _ = full_inputs("cpu")
+        outs = []
+        for p in (port, second_port):
+            _init(rank, world, p)
+            bm = cp.create_block_mask_for_rank(mask_mod, None, None, S, BLOCK_SIZE=32, device="cpu")
+            outs.append(cp.flex_attention(*(cp.shard_sequence(t) for t in (q, k, v)), block_mask=bm,
+                                          strategy="ring", timeout_s=30))
+            # The group the call checked on is one of this world's (KeyError for a destroyed one).
+            outs.append(dist.get_process_group_ranks(_side_group(dist.group.WORLD, 30)))
+            dist.destroy_process_group()
+        torch.save(outs, Path(out_dir) / f"rank{rank}.pt")
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+
+
 # ---- the parent ---------------------------------------------------------------------------------
 
 
@@ -279,6 +305,13 @@ def test_bad_input_raises_on_every_rank(tmp_path):
         for key, text in expect.items():
             assert text in got[key], f"rank {rank}, {key}: {got[key]!r}"
     assert "did not all arrive within 3 s" in found[0]["timeout"], found[0]["timeout"]
+
+
+def test_a_second_process_group_gets_its_own_checking_group(tmp_path):
+    results = _spawn(_worker_reinit, 2, tmp_path, _free_port(), timeout=180)
+    for rank, (first, first_side, second, second_side) in enumerate(results):
+        torch.testing.assert_close(second, first, rtol=0, atol=0, msg=f"rank {rank}")
+        assert first_side == second_side == [0, 1], (rank, first_side, second_side)
 
 
 def test_uninitialised_process_group():
