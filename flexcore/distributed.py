@@ -575,8 +575,6 @@ def _ranks_from_seq(x: Tensor, world: int) -> Tensor:
 
 
 def _allgather(call, mask: ContextParallelMask, q, k, v, group, token):
-    import torch.distributed as dist
-
     world, rank = mask.world_size, mask.rank
     parts = []
     others = any(mask.need[a][s] for a in range(world) for s in range(world) if a != s)

@@ -642,13 +642,7 @@ def flex_attention_backward(query, key, value, out, row_stats, grad_out, grad_ls
     dq, dk, dv, grads = attention.backward_kernels(
         query, key, value, out, row_stats, grad_out, grad_lse, score, spec.score_backward(lowered),
         mask, block_mask, attention.kv_blocks(block_mask, B, Hq), scale, spec.opts)
-    by_recorded = {lowered.score_order[j]: g for j, g in enumerate(grads) if g is not None}
-    # A tensor the mod reads without its value reaching the score (the lowering dropped it) has a
-    # zero gradient.
-    cap_grads = [by_recorded[i] if i in by_recorded
-                 else torch.zeros_like(score_captured[i], memory_format=torch.contiguous_format)
-                 for i in spec.score_grads]
-    return dq, dk, dv, cap_grads
+    return dq, dk, dv, _captured_grads_in_call_order(spec, lowered, score_captured, grads)
 
 
 _lib.impl("flex_attention_backward", flex_attention_backward, "CompositeExplicitAutograd")
@@ -685,7 +679,9 @@ def _setup_context(ctx, inputs, output):
     ctx.rest = rest[2:]  # numbers, block, call, scale
 
 
-def _backward(ctx, grad_out, grad_lse, _grad_row_stats):
+def _backward(ctx, grad_out, grad_lse, _grad_row_stats, op=None):
+    """The forward ops' registered backward: ``op`` (default flexcore's backward op) on the saved
+    inputs."""
     saved = list(ctx.saved_tensors)
     query, key, value, out, row_stats = saved[:5]
     it = iter(saved[5:])
@@ -699,7 +695,7 @@ def _backward(ctx, grad_out, grad_lse, _grad_row_stats):
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     call = ctx.rest[-2]
-    dq, dk, dv, cap_grads = torch.ops.flexcore.flex_attention_backward.default(
+    dq, dk, dv, cap_grads = (op or torch.ops.flexcore.flex_attention_backward.default)(
         query, key, value, out, row_stats, grad_out, grad_lse, *tables, score_captured,
         mask_captured, *ctx.rest)
     grads = [None] * n_score
@@ -743,7 +739,7 @@ def flex_attention_forward_inline(
     found = inline_call(args)
     if found is None:
         return torch.ops.flexcore.flex_attention_forward.default(*args)
-    spec, score, mask, grid = found
+    spec, _, score, mask, grid = found
     B, Hq = grid[:2]
     attention.check_indices(score, mask, *grid, spec.opts)
     blocks = None if kv_num_blocks is None else BlockTensors.expanded(
@@ -753,13 +749,66 @@ def flex_attention_forward_inline(
     return forward_inline(query, key, value, score, mask, blocks, scale, spec.opts)
 
 
-torch.library.register_autograd("flexcore::flex_attention_forward_inline", _backward,
-                                setup_context=_setup_context)
+torch.library.register_autograd(
+    "flexcore::flex_attention_forward_inline",
+    lambda ctx, *grads: _backward(ctx, *grads, op=torch.ops.flexcore.flex_attention_backward_inline.default),
+    setup_context=_setup_context)
 
 
-def inline_call(args: tuple):
-    """(spec, score, mask, (B, Hq, L, S)) of a call of the inline op's ``args`` that the inline
-    forward serves (:func:`inline_forward`, and index checks that read no tensor), else None."""
+@torch.library.triton_op("flexcore::flex_attention_backward_inline", mutates_args={})
+def flex_attention_backward_inline(
+        query: Tensor, key: Tensor, value: Tensor, out: Tensor, row_stats: Tensor, grad_out: Tensor,
+        grad_lse: Optional[Tensor], kv_num_blocks: Optional[Tensor], kv_indices: Optional[Tensor],
+        full_kv_num_blocks: Optional[Tensor], full_kv_indices: Optional[Tensor],
+        q_num_blocks: Optional[Tensor], q_indices: Optional[Tensor], full_q_num_blocks: Optional[Tensor],
+        full_q_indices: Optional[Tensor], score_captured: list[Tensor], mask_captured: list[Tensor],
+        score_ints: list[int], score_floats: list[float], mask_ints: list[int], mask_floats: list[float],
+        block: list[int], call: str, scale: float) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """flex_attention_backward's contract. Where :func:`inline_backward_call` allows, through
+    flexcore.kernels.backward.backward_inline (decisions from shapes alone); else flexcore's
+    backward op."""
+    from flexcore.kernels.backward import backward_inline
+    from flexcore.kernels.tables import BlockTensors
+
+    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
+              full_q_num_blocks, full_q_indices)
+    rest = (score_captured, mask_captured, score_ints, score_floats, mask_ints, mask_floats, block, call,
+            scale)
+    found = inline_backward_call((query, key, value, *tables, *rest))
+    if found is None:
+        return torch.ops.flexcore.flex_attention_backward.default(
+            query, key, value, out, row_stats, grad_out, grad_lse, *tables, *rest)
+    spec, lowered, score, mask, (B, Hq, _, _) = found
+    kv_blocks = q_blocks = None
+    if kv_num_blocks is not None:
+        bq, bkv = block[:2]
+        kv_blocks = BlockTensors.expanded(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                          (bq, bkv), B, Hq)
+        q_blocks = BlockTensors.expanded(q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
+                                         (bkv, bq), B, Hq)
+    shared = key.shape[0] != B  # a shared (batch 1) cache: read through stride-0 views, summed after
+    dq, dk, dv, grads = backward_inline(
+        query, key.expand(B, -1, -1, -1) if shared else key, value.expand(B, -1, -1, -1) if shared else value,
+        out, row_stats, grad_out, grad_lse, score, spec.score_backward(lowered), mask, kv_blocks, q_blocks,
+        scale, spec.opts)
+    if shared:
+        dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
+    return dq, dk, dv, _captured_grads_in_call_order(spec, lowered, score_captured, grads)
+
+
+def _captured_grads_in_call_order(spec: CallSpec, lowered: Lowered, score_captured, grads) -> list:
+    """The gradients of the score_mod's tensors that get one (``spec.score_grads`` order) from the
+    kernels' (``lowered.score_order``); zeros for a tensor whose value the lowering dropped."""
+    by_recorded = {lowered.score_order[j]: g for j, g in enumerate(grads) if g is not None}
+    return [by_recorded[i] if i in by_recorded
+            else torch.zeros_like(score_captured[i], memory_format=torch.contiguous_format)
+            for i in spec.score_grads]
+
+
+def inline_call(args: tuple, switch: str | None = None):
+    """(spec, lowered, score, mask, (B, Hq, L, S)) of a call of the inline op's ``args`` that the
+    inline forward serves (:func:`inline_forward` under ``switch``, and index checks that read no
+    tensor), else None."""
     from flexcore import attention
 
     query, key, value = args[:3]
@@ -767,35 +816,51 @@ def inline_call(args: tuple):
         scale = args[3 + len(_TABLES):]
     spec = spec_of(call)
     numbers = (tuple(score_ints), tuple(score_floats), tuple(mask_ints), tuple(mask_floats))
-    if not inline_forward(spec, query, key, value, (*block, *(x for n in numbers for x in n), scale)):
+    if not inline_forward(spec, query, key, value, (*block, *(x for n in numbers for x in n), scale), switch):
         return None
     attention.ready()
-    score, mask = spec.bind(spec.lowered(numbers), score_captured, mask_captured)
+    lowered = spec.lowered(numbers)
+    score, mask = spec.bind(lowered, score_captured, mask_captured)
     grid = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     # An index check that evaluates index expressions reads tensors, which are fake while Inductor
     # traces the op: such calls take flexcore's op, which checks on the call's own tensors.
     if not (decided_without_evaluation(score, *grid) and decided_without_evaluation(mask, *grid)):
         return None
-    return spec, score, mask, grid
+    return spec, lowered, score, mask, grid
 
 
-def inline_forward(spec: CallSpec, query: Tensor, key: Tensor, value: Tensor, numbers: tuple) -> bool:
+def inline_backward_call(args: tuple):
+    """As :func:`inline_call`, for the backward of a call with the inline forward op's ``args``:
+    by the launch policy's ``inline_backward`` rule, and only with the mask's transposed tables
+    (a mask without them has them computed from its tables' values)."""
+    dispatch = spec_of(args[-2]).opts.dispatch
+    rule = dispatch.launch
+    tables = args[3:3 + len(_TABLES)]
+    if (rule.inline_backward == "off" or dispatch.gluon.backward == "on"
+            or (tables[0] is not None and tables[5] is None)):
+        return None
+    return inline_call(args, switch=rule.inline if rule.inline_backward == "auto" else "on")
+
+
+def inline_forward(spec: CallSpec, query: Tensor, key: Tensor, value: Tensor, numbers: tuple,
+                   switch: str | None = None) -> bool:
     """Whether the inline forward serves a call: on CUDA, 16-bit or float32 inputs at head dims up
     to 128 with static shapes and numbers (Python ints and floats: ``numbers``), that the
     forward kernel (not the decode kernel) serves without run-time index checks and that no
-    option sends to the Gluon kernels; then by the launch policy's ``inline`` rule: "auto"
-    16-bit inputs up to inline_max_flops, "on" all of them."""
+    option sends to the Gluon kernels; then by the launch policy's ``inline`` rule (or ``switch``):
+    "auto" 16-bit inputs up to inline_max_flops, "on" all of them."""
     from flexcore._runtime import use_interpreter
     from flexcore.kernels import decode
     from flexcore.kernels.forward import pad_head_dim
 
     opts = spec.opts
     rule = opts.dispatch.launch
+    switch = rule.inline if switch is None else switch
     gluon = opts.dispatch.gluon
     shapes = (*query.shape, *key.shape, *value.shape)
     # Under the interpreter only where asked for ("on"): Inductor cannot trace its launches.
-    on_device = query.device.type == "cuda" or (use_interpreter() and rule.inline == "on")
-    if (rule.inline == "off" or not on_device or opts.check_indices
+    on_device = query.device.type == "cuda" or (use_interpreter() and switch == "on")
+    if (switch == "off" or not on_device or opts.check_indices
             or query.dtype not in (torch.float16, torch.bfloat16, torch.float32)
             or max(pad_head_dim(query.shape[-1]), pad_head_dim(value.shape[-1])) > 128
             or opts.backend == "gluon" or "on" in (gluon.dense, gluon.masked)
@@ -804,8 +869,8 @@ def inline_forward(spec: CallSpec, query: Tensor, key: Tensor, value: Tensor, nu
         return False
     B, Hq, L, D = query.shape
     flops = 4.0 * B * Hq * L * key.shape[2] * max(D, value.shape[-1])
-    return rule.inline == "on" or (query.dtype in (torch.float16, torch.bfloat16)
-                                   and flops <= rule.inline_max_flops)
+    return switch == "on" or (query.dtype in (torch.float16, torch.bfloat16)
+                              and flops <= rule.inline_max_flops)
 
 
 # ----------------------------------------------------------------------------------------------

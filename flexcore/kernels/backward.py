@@ -350,8 +350,6 @@ def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool, grad_lse=Non
     """delta = rowsum(dO * O) - grad_lse (without the rowsum where not ``delta_from_out``: the
     PHASE 3 pass adds its own), and with ``p_from_lse`` the rows' lse2 = m + log2(l), in one buffer
     (1 or 2, B, Hq, L) of the accumulation dtype; and the preprocessing launch's integer arguments."""
-    import triton.language as tl
-
     B, Hq, L, Dv = out.shape
     fp64 = out.dtype == torch.float64
     row_terms = torch.empty((2 if p_from_lse else 1, B, Hq, L), dtype=torch.float64 if fp64 else torch.float32,
@@ -363,7 +361,7 @@ def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool, grad_lse=Non
         (out, grad_out, row_terms[0], row_stats, row_terms[-1],
          row_terms[0] if grad_lse is None else grad_lse, *pre_fixed),
         dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=pad_head_dim(Dv), BLOCK_M=pre_m,
-             ACC_DTYPE=tl.float64 if fp64 else tl.float32, P_FROM_LSE=p_from_lse,
+             ACC_FP64=fp64, P_FROM_LSE=p_from_lse,
              HAS_GRAD_LSE=grad_lse is not None, DELTA_FROM_OUT=delta_from_out),
         (DEFAULT_POLICY if opts is None else opts.dispatch).launch)
     return row_terms, pre_fixed
@@ -478,6 +476,42 @@ def template_choice(q, k, v, grad_out, score_lowered, kv_blocks: BlockTensors, q
                           dkdv_tiles, dq_tiles, may_fuse)
 
 
+def _template_args(q, k, v, grad_out, dq, dk, dv, row_stats, delta, kv_blocks: BlockTensors,
+                   q_blocks: BlockTensors, scale: float, opts: KernelOptions, score_lowered, caps: tuple,
+                   grad_args: list, choice: BackwardChoice):
+    """(arguments, fixed, constexprs) of ``flex_bwd_kernel`` for the paths of ``choice``, but its
+    tiles and PHASE. The arguments are (tensors of the call, fixed, captures, gradient buffers): a
+    plan keeps ``fixed``. ``row_stats``: lse2 where ``choice.p_from_lse``."""
+    B, Hq, L, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    sparse_q, sparse_kv = kv_blocks.sparse_block
+    qn, qi = q_blocks.full_tables()
+    kn, ki = kv_blocks.full_tables()
+    ws_rows = choice.warp_spec_rows
+    fixed = (
+        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
+        kv_blocks.num_blocks, kv_blocks.indices, kn, ki,
+        *kv_blocks.num_blocks.stride(), *kv_blocks.indices.stride()[:3], *kn.stride(), *ki.stride()[:3],
+        q_blocks.num_blocks, q_blocks.indices, qn, qi,
+        *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3], *qn.stride(), *qi.stride()[:3],
+        B * Hq * L, L, S, Hq, Hkv, *scale_args(scale, q.dtype), *ws_rows)
+    args = (q, k, v, grad_out, dq, dk, dv, row_stats, delta, *fixed, *caps, *grad_args)
+    ws = ws_rows[0] > 0
+    kinds = opts.dispatch.backward.warp_spec_kinds
+    constexprs = dict(
+        HEAD_DIM=D, HEAD_DIM_PAD=pad_head_dim(D), HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=pad_head_dim(Dv),
+        SPARSE_Q_BLOCK=sparse_q, SPARSE_KV_BLOCK=sparse_kv, HAS_FULL_BLOCKS=kv_blocks.full_num_blocks is not None,
+        EVEN_Q=L % sparse_q == 0, EVEN_KV=S % sparse_kv == 0,  # tiles divide mask blocks
+        SCORE_IS_TRIVIAL=score_lowered.is_trivial, FIXED_POINT_GRADS=opts.deterministic,
+        UPCAST_DOT=use_interpreter() and q.dtype in (torch.float16, torch.bfloat16),
+        INPUT_PRECISION="tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee",
+        ACC_FP64=q.dtype == torch.float64, GQA_GROUP=Hq // Hkv, WRITE_CAPTURED_GRADS=bool(grad_args),
+        USE_TMA=choice.tma, P_FROM_LSE=choice.p_from_lse, DENSE=choice.dense,
+        DKDV_WARP_SPEC=ws and "dkdv" in kinds, DQ_WARP_SPEC=ws and "dq" in kinds,
+        FULL_Q_RUNS=choice.full_q_runs, FULL_KV_RUNS=choice.full_kv_runs)
+    return args, fixed, constexprs
+
+
 def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
               kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
               caps: tuple, grad_lse=None):
@@ -489,9 +523,8 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     if hopper_result is not None:
         return hopper_result
     B, Hq, L, D = q.shape
-    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    Hkv, S = k.shape[1], k.shape[2]
     module = backward_module(score_lowered, score_bwd_lowered, mask_lowered)
-    head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
     sparse_q, sparse_kv = kv_blocks.sparse_block
     if q_blocks.sparse_block != (sparse_kv, sparse_q):
         raise ValueError(f"q_blocks.sparse_block {q_blocks.sparse_block} is not the transpose of "
@@ -505,22 +538,8 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
                    "p_from_lse=%s exact_delta=%s tiles dK/dV %s dQ %s", kv_blocks.sparse_block, choice.dense,
                    choice.warp_spec_rows[0] > 0, choice.tma, choice.full_q_runs, choice.full_kv_runs,
                    choice.p_from_lse, choice.exact_delta, choice.dkdv_tiles, choice.dq_tiles)
-    dense, ws_rows, tma = choice.dense, choice.warp_spec_rows, choice.tma
     (bm1, bn1, meta1), (bm2, bn2, meta2) = choice.dkdv_tiles, choice.dq_tiles
     pinned = opts.pins_tiles
-    upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16)
-    precision = "tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee"
-    common = dict(HEAD_DIM=D, HEAD_DIM_PAD=head_dim_pad, HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=head_dim_v_pad,
-                  SPARSE_Q_BLOCK=sparse_q, SPARSE_KV_BLOCK=sparse_kv,
-                  HAS_FULL_BLOCKS=kv_blocks.full_num_blocks is not None,
-                  EVEN_Q=L % sparse_q == 0, EVEN_KV=S % sparse_kv == 0,  # tiles divide mask blocks
-                  SCORE_IS_TRIVIAL=score_lowered.is_trivial, FIXED_POINT_GRADS=opts.deterministic,
-                  UPCAST_DOT=upcast, INPUT_PRECISION=precision)
-
-    acc_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    import triton.language as tl  # after load_module: the interpreter is set up by then
-
-    common["ACC_DTYPE"] = tl.float64 if acc_dtype == torch.float64 else tl.float32
     p_from_lse = choice.p_from_lse
     grad_buffers, grad_args = _grad_buffers(captured, score_bwd_lowered.grad_of, opts.deterministic,
                                             q.device)
@@ -534,26 +553,9 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.empty_like(k, memory_format=torch.contiguous_format)
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
-
-    qn, qi = q_blocks.full_tables()
-    kn, ki = kv_blocks.full_tables()
     gqa = Hq // Hkv
-    ws = ws_rows[0] > 0
-    # The arguments are (tensors of the call, fixed, captures, gradient buffers): a plan keeps
-    # ``fixed``.
-    fixed = (
-        *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
-        kv_blocks.num_blocks, kv_blocks.indices, kn, ki,
-        *kv_blocks.num_blocks.stride(), *kv_blocks.indices.stride()[:3], *kn.stride(), *ki.stride()[:3],
-        q_blocks.num_blocks, q_blocks.indices, qn, qi,
-        *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3], *qn.stride(), *qi.stride()[:3],
-        B * Hq * L, L, S, Hq, Hkv, *scale_args(scale, q.dtype), *ws_rows)
-    args = (q, k, v, grad_out, dq, dk, dv, row_stats, delta, *fixed, *caps, *grad_args)
-    kinds = policy.backward.warp_spec_kinds
-    common.update(GQA_GROUP=gqa, WRITE_CAPTURED_GRADS=bool(grad_buffers), USE_TMA=tma,
-                  P_FROM_LSE=p_from_lse, DENSE=dense,
-                  DKDV_WARP_SPEC=ws and "dkdv" in kinds, DQ_WARP_SPEC=ws and "dq" in kinds,
-                  FULL_Q_RUNS=choice.full_q_runs, FULL_KV_RUNS=choice.full_kv_runs)
+    args, fixed, common = _template_args(q, k, v, grad_out, dq, dk, dv, row_stats, delta, kv_blocks, q_blocks,
+                                         scale, opts, score_lowered, caps, grad_args, choice)
     kernel = module.flex_bwd_kernel
     launching = policy.launch
     if exact_delta:  # delta = rowsum(P * dP), over the dQ programs' grid, before the other phases
@@ -599,5 +601,89 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     if not ran_fused:
         run_split()
     result = (dq, dk, dv, _captured_grads(captured, grad_buffers, opts.deterministic))
-    return result, (lambda launches: _BackwardPlan(launches, pre_fixed, fixed, row_terms.shape, acc_dtype,
+    return result, (lambda launches: _BackwardPlan(launches, pre_fixed, fixed, row_terms.shape, row_terms.dtype,
                                                    p_from_lse), (2 if ran_fused else 3) + exact_delta)
+
+
+def backward_inline(q, k, v, out, row_stats, grad_out, grad_lse, score_lowered, score_bwd_lowered, mask_lowered,
+                    kv_blocks: BlockTensors | None, q_blocks: BlockTensors | None, scale: float,
+                    opts: KernelOptions):
+    """(dq, dk, dv, captured_grads) of :func:`backward`, from the preprocessing kernel and the Triton
+    template launched through ``torch.library.wrap_triton``, for the compiled call that Inductor
+    launches itself (flexcore.ops, "inline" backward). As flexcore.kernels.forward.forward_inline,
+    every decision reads shapes, dtypes and options only: the mask's own tables, no full-block runs,
+    descriptors or warp specialization, the first tile configuration, two launches (one where the
+    policy's backward.fused is "on"). ``kv_blocks`` and ``q_blocks`` None: no mask (the dense path)."""
+    from torch.library import wrap_triton
+
+    from flexcore.kernels.forward import _DENSE_SPARSE_BLOCK, _constexpr_defaults
+
+    B, Hq, L, D = q.shape
+    Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
+    policy = opts.dispatch.backward
+    dense = kv_blocks is None
+    if dense:
+        # DENSE visits every tile as a full block and reads no table: one int32 zero stands in for
+        # each, the full ones included (the template runs DENSE in its full-block loop).
+        zero = torch.zeros((B, Hq, 1), dtype=torch.int32, device=q.device)
+        kv_blocks = q_blocks = BlockTensors(zero, zero.unsqueeze(-1), zero, zero.unsqueeze(-1),
+                                            _DENSE_SPARSE_BLOCK)
+    sparse_q, sparse_kv = kv_blocks.sparse_block
+    trivial = score_lowered.is_trivial
+    dkdv_tiles, dq_tiles = _tiles(opts, max(pad_head_dim(D), pad_head_dim(Dv)), q.element_size(), sparse_q,
+                                  sparse_kv, not trivial or dense)
+    choice = BackwardChoice(dense, (0, 0, 0, 0), False, False, False, policy.p_from_lse and q.element_size() == 2,
+                            policy.exact_delta and bool(score_bwd_lowered.grad_of), dkdv_tiles, dq_tiles,
+                            policy.fused == "on" and dkdv_tiles[2].get("num_warps") == dq_tiles[2].get("num_warps"))
+    module = backward_module(score_lowered, score_bwd_lowered, mask_lowered)
+    fp64 = q.dtype == torch.float64
+    acc = torch.float64 if fp64 else torch.float32
+    # Each pointer the kernels write gets a tensor of its own, and the unread ones a stand-in:
+    # Inductor treats the arguments of a kernel it launches as distinct buffers.
+    delta = torch.empty((B, Hq, L), dtype=acc, device=q.device)
+    lse2 = torch.empty((B, Hq, L), dtype=acc, device=q.device) if choice.p_from_lse else None
+    stand_in = torch.empty((1,), dtype=acc, device=q.device)
+    grad_lse = _check_grad_lse(grad_lse, q, row_stats.dtype)
+    row_stats = row_stats.contiguous()
+    pre = module.flex_bwd_preprocess
+    pre_m = 64
+    pre_constexprs = dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=pad_head_dim(Dv), BLOCK_M=pre_m, ACC_FP64=fp64,
+                          P_FROM_LSE=choice.p_from_lse, HAS_GRAD_LSE=grad_lse is not None,
+                          DELTA_FROM_OUT=not choice.exact_delta)
+    for name, default in _constexpr_defaults(pre).items():
+        pre_constexprs.setdefault(name, default)
+    wrap_triton(pre)[((L + pre_m - 1) // pre_m, B * Hq, 1)](
+        out, grad_out, delta, row_stats, stand_in if lse2 is None else lse2,
+        stand_in if grad_lse is None else grad_lse, *out.stride(), *grad_out.stride(), B * Hq * L, L, Hq,
+        **pre_constexprs)
+
+    captured = score_lowered.captured
+    grad_buffers, grad_args = _grad_buffers(captured, score_bwd_lowered.grad_of, opts.deterministic, q.device)
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+    caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
+    args, _, common = _template_args(q, k, v, grad_out, dq, dk, dv, row_stats if lse2 is None else lse2, delta,
+                                     kv_blocks, q_blocks, scale, opts, score_lowered, caps, grad_args, choice)
+    kernel = module.flex_bwd_kernel
+    for name, default in _constexpr_defaults(kernel).items():
+        common.setdefault(name, default)
+    (bm1, bn1, meta1), (bm2, bn2, meta2) = dkdv_tiles, dq_tiles
+    gqa = Hq // Hkv
+    dkdv_grid = ((S + bn1 - 1) // bn1, B * Hkv, 1)
+    dq_grid = (gqa * ((L + bm2 - 1) // bm2), B * Hkv, 1)
+    launch = wrap_triton(kernel)
+    if choice.exact_delta:  # delta = rowsum(P * dP) first (see backward)
+        launch[dq_grid](*args, **{**common, "PHASE": 3, "DKDV_BLOCK_M": 16, "DKDV_BLOCK_N": 16,
+                                  "DQ_BLOCK_M": bm2, "DQ_BLOCK_N": bn2, **meta2})
+    if choice.may_fuse:
+        meta = dict(meta1, num_stages=min(meta1["num_stages"], meta2["num_stages"])) if meta1 else {}
+        launch[(dkdv_grid[0] + dq_grid[0], B * Hkv, 1)](
+            *args, **{**common, "PHASE": 0, "DKDV_BLOCK_M": bm1, "DKDV_BLOCK_N": bn1, "DQ_BLOCK_M": bm2,
+                      "DQ_BLOCK_N": bn2, **meta})
+    else:
+        launch[dkdv_grid](*args, **{**common, "PHASE": 1, "DKDV_BLOCK_M": bm1, "DKDV_BLOCK_N": bn1,
+                                    "DQ_BLOCK_M": 16, "DQ_BLOCK_N": 16, **meta1})
+        launch[dq_grid](*args, **{**common, "PHASE": 2, "DKDV_BLOCK_M": 16, "DKDV_BLOCK_N": 16,
+                                  "DQ_BLOCK_M": bm2, "DQ_BLOCK_N": bn2, **meta2})
+    return dq, dk, dv, _captured_grads(captured, grad_buffers, opts.deterministic)

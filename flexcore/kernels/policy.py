@@ -173,6 +173,11 @@ class LaunchPolicy:
     #: too); off: never (every call through flexcore's own dispatch).
     inline: Switch = "auto"
     inline_max_flops: float = 3.5e10
+    #: The backward of an inline forward likewise (flexcore.ops.inline_backward_call): auto: the
+    #: calls whose forward the ``inline`` rule takes; on: every call the inline forward applies to;
+    #: off: flexcore's backward op. Off by default until its GPU runs are measured
+    #: (docs/decisions.md#compiled-host-path).
+    inline_backward: Switch = "off"
 
     def __post_init__(self):
         _check_fields(self)

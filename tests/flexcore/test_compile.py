@@ -457,6 +457,127 @@ def test_inline_forward_choice():
     assert choice(policy=big.replace(launch={"inline": "on"}))
 
 
+
+def _inline_args(score_mod, mask_mod, L, Hq, Hkv, policy, seed, **options):
+    """(args of the inline forward op, q, k, v, BlockMask or None) of a float32 call (the
+    interpreter's dtype) under ``policy``."""
+    attention.ready()
+    g = torch.Generator().manual_seed(seed)
+    device = torch.device("cpu")
+    score = None if score_mod is None else ops.record(score_mod, "score", torch.float32, device)
+    mask = None if mask_mod is None else ops.record(mask_mod, "mask", torch.float32, device)
+    call = ops.register_call(None if score is None else score.constants,
+                             None if mask is None else mask.constants, torch.float32, "cpu",
+                             {"policy": policy, **options}, False)
+    q = torch.randn(2, Hq, L, D, generator=g, requires_grad=True)
+    k, v = (torch.randn(2, Hkv, L, D, generator=g, requires_grad=True) for _ in range(2))
+    bm, block, tables = None, [], [None] * 8
+    if mask_mod is not None:
+        bm = create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+        block = [*bm.BLOCK_SIZE, *bm.seq_lengths]
+        tables = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+                  bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
+    pick = lambda r, name: [] if r is None else getattr(r, name)  # noqa: E731
+    args = (q, k, v, *tables, pick(score, "captured"), pick(mask, "captured"), pick(score, "ints"),
+            pick(score, "floats"), pick(mask, "ints"), pick(mask, "floats"), block, call, 1 / math.sqrt(D))
+    return args, q, k, v, bm
+
+
+@pytest.mark.parametrize("case", ["causal_alibi_lse", "dense_gqa_softcap", "fused_deterministic"])
+def test_inline_backward_op_against_float64(case):
+    """The inline backward (the kernels Inductor launches; eagerly here, through the interpreter),
+    reached through the inline forward op's registered autograd: dq, dk, dv and a captured tensor's
+    gradient as the float64 reference within twice torch's own error, and as flexcore's backward
+    op. Cases: a causal ALiBi mask whose loss reads the lse; no mask (the dense path) with grouped
+    heads, a length the tiles do not divide and a tanh soft-cap; one launch for both kinds of
+    program (backward.fused "on") with deterministic captured gradients."""
+    from flexcore.kernels.policy import DispatchPolicy
+
+    g = torch.Generator().manual_seed(seed_of(case))
+    Hq, Hkv, L = (4, 2, 80) if case == "dense_gqa_softcap" else (H, H, 96)
+    slopes = torch.rand(Hq, generator=g).requires_grad_()
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 4.0 * torch.tanh(score / 4.0) + slopes[h]
+
+    score_mod = softcap if case == "dense_gqa_softcap" else alibi
+    mask_mod = None if case == "dense_gqa_softcap" else causal
+    policy = DispatchPolicy().replace(launch={"inline": "on", "inline_backward": "on"},
+                                      backward={"fused": "on" if case == "fused_deterministic" else "off"})
+    args, q, k, v, bm = _inline_args(score_mod, mask_mod, L, Hq, Hkv, policy, seed_of(case),
+                                     deterministic=case == "fused_deterministic")
+    assert ops.inline_backward_call(args) is not None  # the backward op's body takes the inline path
+    weights = torch.randn(2, Hq, L, D, generator=g)
+    lse_weights = torch.randn(2, Hq, L, generator=g) if case == "causal_alibi_lse" else torch.zeros(2, Hq, L)
+    wanted = (q, k, v, slopes)
+    grads = {}
+    for name, op in (("inline", torch.ops.flexcore.flex_attention_forward_inline),
+                     ("flexcore", torch.ops.flexcore.flex_attention_forward)):
+        o, lse, _ = op(*args)
+        grads[name] = torch.autograd.grad((o * weights).sum() + (lse * lse_weights).sum(), wanted)
+
+    def reference(dtype, upcast):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in wanted]
+        qr, kr, vr, sr = leaves
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return (4.0 * torch.tanh(score / 4.0) + sr[h] if case == "dense_gqa_softcap"
+                    else score - sr[h] * (q_idx - kv_idx).abs())
+        o, lse = flex_attention_reference(qr, kr, vr, score_mod=mod, block_mask=bm, return_lse=True,
+                                          enable_gqa=Hq != Hkv, upcast=upcast)
+        loss = (o * weights.to(dtype)).sum() + (lse * lse_weights.to(dtype)).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    gold, base = reference(torch.float64, True), reference(torch.float32, False)
+    for name, ours, same, ref, torch_same in zip(("dq", "dk", "dv", "dslopes"), grads["inline"],
+                                                 grads["flexcore"], gold, base):
+        assert_close_to_reference(ours, ref, torch_same, name=f"{case} {name}", metric="rel_fro")
+        torch.testing.assert_close(ours, same, rtol=1e-5, atol=1e-5, msg=f"{case} {name}")
+
+
+def test_inline_backward_choice():
+    """The launch policy's inline_backward rule: off by default; auto where the forward's inline
+    rule takes the call; on wherever the inline forward applies; never with a forced Gluon
+    backward or a mask without its transposed tables."""
+    from flexcore.kernels.policy import DispatchPolicy
+
+    def choice(mask=True, **launch):
+        policy = DispatchPolicy().replace(launch=launch)
+        args = _inline_args(None, causal if mask else None, 64, H, H, policy, 3)[0]
+        return ops.inline_backward_call(args) is not None, args
+
+    assert not choice(inline="on")[0]  # inline_backward "off"
+    assert choice(inline="on", inline_backward="auto")[0]
+    assert not choice(inline="auto", inline_backward="auto")[0]  # float32 under "auto": not inline
+    assert choice(inline="auto", inline_backward="on")[0]
+    assert choice(mask=False, inline="off", inline_backward="on")[0]
+    forced = DispatchPolicy().replace(launch={"inline_backward": "on"}, gluon={"backward": "on"})
+    assert ops.inline_backward_call(_inline_args(None, causal, 64, H, H, forced, 3)[0]) is None
+    _, args = choice(inline_backward="on")
+    without_q_tables = (*args[:7], None, None, None, None, *args[11:])
+    assert ops.inline_backward_call(without_q_tables) is None
+
+
+def test_opcheck_inline_backward_op():
+    """The inline backward op's schema, fake implementation and autograd registration, as
+    torch.library checks them, on the inline path."""
+    from flexcore.kernels.policy import DispatchPolicy
+
+    policy = DispatchPolicy().replace(launch={"inline": "on", "inline_backward": "on"})
+    args, q, k, v, _ = _inline_args(None, causal, 64, H, H, policy, 5)
+    q, k, v = (t.detach() for t in (q, k, v))
+    out, lse, row_stats = torch.ops.flexcore.flex_attention_forward_inline(q, k, v, *args[3:])
+    bwd_args = (q, k, v, out, row_stats, torch.randn_like(out), torch.randn_like(lse), *args[3:])
+    assert ops.inline_backward_call((q, k, v, *args[3:])) is not None
+    # Its fake implementation is not checked here: under the interpreter the fake tensors would
+    # be launched on (Inductor traces the launches instead, on CUDA).
+    torch.library.opcheck(torch.ops.flexcore.flex_attention_backward_inline.default, bwd_args,
+                          test_utils=("test_schema", "test_autograd_registration"))
+
+
 class FakeCuda:
     """A tensor's shape, dtype and a CUDA device, as inline_forward reads them."""
 

@@ -130,6 +130,21 @@ def test_inline_forward_gpu(mask, D, dtype):
     flexcore op call left in the forward graph's code): with GQA, a learnable ALiBi slope and an
     lse-using loss, the output, lse and every gradient lie within twice torch's own error of the
     float64 reference; the same call in float32 runs flexcore's op."""
+    _inline_case(mask, D, dtype, None)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "document"])
+@pytest.mark.parametrize("D", [64, 128])
+def test_inline_backward_gpu(mask, D):
+    """With the launch policy's inline_backward on, the backward's kernels are launched from
+    Inductor's code too (no flexcore backward op call left), within twice torch's own error."""
+    from flexcore.kernels.policy import DispatchPolicy
+
+    policy = DispatchPolicy().replace(launch={"inline_backward": "on"})
+    _inline_case(mask, D, torch.bfloat16, {"policy": policy})
+
+
+def _inline_case(mask, D, dtype, kernel_options):
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
@@ -145,7 +160,7 @@ def test_inline_forward_gpu(mask, D, dtype):
     mask_mod = {"none": None, "causal": causal, "document": _document(doc)}[mask]
     bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, L, L, device=DEVICE)
 
-    def attend(kernel_options=None, reference=None):
+    def attend(reference=None):
         def run(q, k, v, s):
             def alibi(score, b, h, q_idx, kv_idx):
                 return score - s[h] * (q_idx - kv_idx).abs()
@@ -168,6 +183,9 @@ def test_inline_forward_gpu(mask, D, dtype):
     compiled = torch.compile(attend(), fullgraph=True)
     got, codes = run_and_get_code(lambda: results(compiled, inputs))
     assert "flex_forward_kernel" in codes[0] and "flexcore.flex_attention_forward" not in codes[0]
+    if kernel_options is not None:  # the backward graph's code launches the backward kernels
+        assert len(codes) == 2 and "flex_bwd_kernel" in codes[1], len(codes)
+        assert "flexcore.flex_attention_backward" not in codes[1]
     golden = results(attend(reference=True), [t.double() for t in inputs])
     base = results(attend(reference=False), inputs)
     for name, a, gold, b in zip(("out", "lse", "dq", "dk", "dv", "dslopes"), got, golden, base):
