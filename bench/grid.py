@@ -124,6 +124,10 @@ class Settings:
     #: on the GPU, time with the process's threads on one core (bench.timing.pinned_host): the host's
     #: time per call halves and spreads less (docs/decisions.md#host-pinning)
     pin_host: bool = True
+    #: time a case's providers in this many interleaved rounds (each with its warm-up and a share of
+    #: rep_ms, min_reps and max_reps; the repetitions pooled), so that a drift of the host or the
+    #: GPU's clocks during the case falls on every provider alike; 1: each provider at once
+    rounds: int = 1
     #: torch.compile backend of the flexlab_compiled provider and of train-step blocks; inductor
     #: is what training runs use, aot_eager traces the same graphs without code generation
     #: (seconds instead of a minute on a CPU)
@@ -182,6 +186,7 @@ _SETTING_RANGES = {
     "min_reps": (1, None, "an integer >= 1"),
     "max_reps": (1, None, "an integer >= 1"),
     "cpu_reps": (1, None, "an integer >= 1"),
+    "rounds": (1, 100, "an integer in [1, 100]"),
     "ref_slices": (0, None, "an integer >= 0 (0 checks every slice)"),
     "ref_full_elements": (0, None, "an integer >= 0 (0: always check slices)"),
     "mask_budget_gb": (1e-6, None, "a number of GiB > 0"),
@@ -322,11 +327,12 @@ PRESETS: dict[str, dict] = {
         ],
     },
     # Training shapes: S 512-2048, D 64/128, B·H 8-64 (8, 16 two ways, 32 two ways, 64). Timed
-    # unpinned, the way a training loop runs.
+    # unpinned, the way a training loop runs, the providers in interleaved rounds: host-bound rows
+    # move with the host's state, which the rounds spread over every provider.
     "small": {
         "providers": SMALL_PROVIDERS,
-        "settings": {"warmup_ms": 25, "rep_ms": 100, "min_reps": 10, "max_reps": 200,
-                     "ref_slices": 1, "pin_host": False},
+        "settings": {"warmup_ms": 25, "rep_ms": 150, "min_reps": 15, "max_reps": 300,
+                     "ref_slices": 1, "pin_host": False, "rounds": 5},
         "groups": [
             {"variants": SMALL_VARIANTS, "shapes": [[1, 512], [2, 1024], [4, 2048]],
              "heads": [8, 16], "head_dim": [64, 128], "dtype": ["bfloat16"],

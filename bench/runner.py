@@ -35,7 +35,7 @@ from bench import providers as prov
 from bench.context import CaseContext, Slice, make_context
 from bench.grid import Case, Grid, case_from_dict
 from bench.lock import FolderBusyError, FolderLock
-from bench.timing import GraphCaptureError, peak_memory, time_call, time_first_call
+from bench.timing import GraphCaptureError, peak_memory, pooled, time_call, time_first_call
 from variants.core import Mods
 
 SCHEMA_VERSION = "flexlab-bench/1"
@@ -217,6 +217,7 @@ class CaseRunner:
         self.ctx: CaseContext | None = None
         self.coverage = ""
         self.density: float | None = None
+        self._deferred: list = []  # (provider, step) timed in interleaved rounds (_time_rounds)
 
     def row(self, provider: str, metric: str, value, unit: str = "", status: str = "ok", note: str = ""):
         c = self.case
@@ -240,6 +241,7 @@ class CaseRunner:
             self._baseline()
             for name in self.grid.providers:
                 self._provider(name)
+            self._time_rounds()
         finally:
             self._cleanup()
         return self.rows
@@ -386,28 +388,62 @@ class CaseRunner:
             if peak is not None:
                 peak += prepared.held_bytes
             self.row(name, "peak_mem_bytes", peak, "bytes", note=method)
-            s = self.grid.settings
-
-            def timed(cuda_graph: bool):
-                return time_call(step, len(ctx.inputs), self.device, warmup_ms=s.warmup_ms,
-                                 rep_ms=s.rep_ms, min_reps=s.min_reps, max_reps=s.max_reps,
-                                 cpu_reps=s.cpu_reps, cuda_graph=cuda_graph, pin_host=s.pin_host)
-
-            graph_note, eager = "", None
-            if self.device.type == "cuda" and c.pass_ in s.graph_passes():
-                try:
-                    timing = timed(True)
-                    eager = timed(False)  # beside it: the same call launched from Python each time
-                except GraphCaptureError as exc:
-                    graph_note = f"; CUDA graph capture failed ({exc}), timed eagerly"
-                    timing = timed(False)
-            else:
-                timing = timed(False)
         except Exception as exc:
             self._error(name, "timing", exc)
             return
+        s = self.grid.settings
+        graphs = self.device.type == "cuda" and c.pass_ in s.graph_passes()
+        if s.rounds > 1 and not graphs:
+            self._deferred.append((name, step))
+            return
+        try:
+            graph_note, eager = "", None
+            if graphs:
+                try:
+                    timing = self._timed(step, True)
+                    eager = self._timed(step, False)  # beside it: the same call launched from Python each time
+                except GraphCaptureError as exc:
+                    graph_note = f"; CUDA graph capture failed ({exc}), timed eagerly"
+                    timing = self._timed(step, False)
+            else:
+                timing = self._timed(step, False)
+        except Exception as exc:
+            self._error(name, "timing", exc)
+            return
+        self._timing_result(name, timing, eager, graph_note)
+
+    def _timed(self, step, cuda_graph: bool, share: int = 1):
+        """bench.timing.time_call of ``step`` under the grid's settings; ``share``: this timing is
+        one of that many rounds, with a share of the repetitions (and its own warm-up)."""
+        s = self.grid.settings
+        min_reps = -(-s.min_reps // share)
+        return time_call(step, len(self.ctx.inputs), self.device, warmup_ms=s.warmup_ms,
+                         rep_ms=s.rep_ms / share, min_reps=min_reps, max_reps=max(min_reps, s.max_reps // share),
+                         cpu_reps=-(-s.cpu_reps // share), cuda_graph=cuda_graph, pin_host=s.pin_host)
+
+    def _time_rounds(self):
+        """Time the deferred providers in the grid's ``rounds``, one after another in each round,
+        and report each over its rounds' repetitions pooled."""
+        rounds = self.grid.settings.rounds
+        timings: dict[str, list] = {name: [] for name, _ in self._deferred}
+        for _ in range(rounds):
+            for name, step in self._deferred:
+                if name not in timings:  # its timing failed in an earlier round
+                    continue
+                try:
+                    timings[name].append(self._timed(step, False, rounds))
+                except Exception as exc:
+                    del timings[name]
+                    self._error(name, "timing", exc)
+        self._deferred = []
+        for name, parts in timings.items():
+            self._timing_result(name, pooled(parts), None, f"; {rounds} interleaved rounds")
+
+    def _timing_result(self, name: str, timing, eager, extra_note: str) -> None:
+        """The rows of a provider's timing: times, repetitions, TFLOP/s (and GB/s for decoding)."""
+        ctx, c = self.ctx, self.case
         pinned = "" if timing.pinned_core is None else f", host threads on core {timing.pinned_core}"
-        tnote = f"{timing.method}, {len(ctx.inputs)} rotated input set(s){pinned}{graph_note}"
+        tnote = f"{timing.method}, {len(ctx.inputs)} rotated input set(s){pinned}{extra_note}"
         if eager is not None:
             self.row(name, "time_ms_eager", eager.median_ms, "ms",
                      note=f"{eager.method}: launched from Python at every call (host time included)")

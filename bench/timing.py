@@ -23,6 +23,7 @@ class Timing:
     reps: int
     method: str  # "cuda_events", "cuda_graph" or "wall_clock"
     pinned_core: int | None = None  # the core the process's threads ran on while timed (pin_host)
+    samples: tuple = dataclasses.field(default=(), repr=False, compare=False)  # each repetition, ms
 
 
 def quantile(values: Sequence[float], q: float) -> float:
@@ -37,7 +38,15 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 def summarize(times_ms: Sequence[float], method: str) -> Timing:
     return Timing(statistics.median(times_ms), quantile(times_ms, 0.2), quantile(times_ms, 0.8),
-                  len(times_ms), method)
+                  len(times_ms), method, samples=tuple(times_ms))
+
+
+def pooled(timings: Sequence[Timing]) -> Timing:
+    """One Timing of the repetitions of several (rounds of the same call): quantiles over all of
+    them, with the first's method and pinned core."""
+    first = timings[0]
+    return dataclasses.replace(summarize([t for timing in timings for t in timing.samples], first.method),
+                               pinned_core=first.pinned_core)
 
 
 def synchronize(device: torch.device) -> None:

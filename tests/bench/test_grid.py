@@ -62,6 +62,8 @@ def test_toml_and_yaml_configs_give_the_same_grid(tmp_path):
       "providers": ["sdpa_math"], "settings": {"cuda_graphs": "decode,backward"}}, "cuda_graphs"),
     ({"groups": [{"variants": ["causal"], "shapes": [[1, 8]], "heads": [2], "head_dim": [8]}],
       "providers": ["sdpa_math"], "settings": {"pin_host": "no"}}, "pin_host='no': expected true or false"),
+    ({"groups": [{"variants": ["causal"], "shapes": [[1, 8]], "heads": [2], "head_dim": [8]}],
+      "providers": ["sdpa_math"], "settings": {"rounds": 0}}, r"rounds=0: expected an integer in \[1, 100\]"),
 ])
 def test_bad_configs_say_what_is_wrong(config, words):
     with pytest.raises(ConfigError, match=words):
@@ -118,7 +120,7 @@ def test_small_preset_is_training_shapes_unpinned():
     assert {c.batch * c.q_heads for c in grid.cases} == {8, 16, 32, 64}
     assert {c.variant.split("(")[0] for c in grid.cases} == {"causal", "alibi_causal", "document"}
     assert {c.pass_ for c in grid.cases} == {"fwd", "fwd_bwd"}
-    assert grid.settings.pin_host is False
+    assert grid.settings.pin_host is False and grid.settings.rounds > 1  # interleaved providers
     assert {"flexlab", "flexlab_compiled", "torch_flex"} == set(grid.providers)
 
 

@@ -92,6 +92,33 @@ def test_wrong_outputs_and_gradients_fail(tmp_path, monkeypatch):
     assert "no gradient" in get[("no_cap_grad", "dcap0_correct")]["note"]
 
 
+
+def test_rounds_interleave_the_providers_and_pool_their_repetitions(tmp_path, monkeypatch):
+    """With settings.rounds = 3, a case's providers are timed one after another in each of 3 rounds
+    (each a third of the repetitions), and each reports quantiles over the pooled repetitions."""
+    from bench import timing
+
+    for p in (PerturbedProvider("first"), PerturbedProvider("second")):
+        monkeypatch.setitem(prov.PROVIDERS, p.name, p)
+    steps, order = {}, []
+    real = timing.time_call
+
+    def spy(step, *args, **kwargs):
+        order.append(steps.setdefault(step, len(steps)))
+        return real(step, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "time_call", spy)
+    grid = small_grid(providers=("first", "second"), passes=("fwd",), variants=[CAUSAL], cpu_reps=6,
+                      rounds=3)
+    rows = _rows(runner.run(grid, tmp_path / "r", progress=False, log=lambda m: None))
+    assert order == [0, 1] * 3, order
+    for name in ("first", "second"):
+        got = {r["metric"]: r for r in _by(rows, provider=name)}
+        assert got["reps"]["value"] == 6  # 3 rounds of 2
+        assert "3 interleaved rounds" in got["time_ms"]["note"]
+        assert got["time_ms_p20"]["value"] <= got["time_ms"]["value"] <= got["time_ms_p80"]["value"]
+
+
 def test_refuses_to_overwrite_a_run(tmp_path):
     grid = small_grid(variants=[CAUSAL], passes=("fwd",))
     runner.run(grid, tmp_path / "r", progress=False, log=lambda m: None)
