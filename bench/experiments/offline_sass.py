@@ -41,7 +41,7 @@ from flexcore.lowering import lower_score_mod, lower_mask_mod
 from flexcore.lowering.vjp import lower_score_mod_backward
 tmpl = sys.argv[1]
 phase = int(sys.argv[2]) if len(sys.argv) > 2 else 0
-C.read_template = lambda name: open(tmpl).read()
+C.read_template = B.read_template = lambda name: open(tmpl).read()  # backward.py imported it by name
 sl = lower_score_mod(None, torch.float32)
 ml = lower_mask_mod(lambda b, h, q, k: q >= k)
 sbl = lower_score_mod_backward(None, sl)
@@ -57,7 +57,7 @@ D = 128
 consts = dict(PHASE=phase, GQA_GROUP=1, HEAD_DIM=D, HEAD_DIM_PAD=D, HEAD_DIM_V=D, HEAD_DIM_V_PAD=D,
     DKDV_BLOCK_M=64, DKDV_BLOCK_N=128, DQ_BLOCK_M=128, DQ_BLOCK_N=128, SPARSE_Q_BLOCK=128, SPARSE_KV_BLOCK=128,
     HAS_FULL_BLOCKS=True, EVEN_Q=True, EVEN_KV=True, SCORE_IS_TRIVIAL=True, WRITE_CAPTURED_GRADS=False,
-    FIXED_POINT_GRADS=False, UPCAST_DOT=False, INPUT_PRECISION="ieee", ACC_DTYPE=tl.float32, USE_TMA=False,
+    FIXED_POINT_GRADS=False, UPCAST_DOT=False, INPUT_PRECISION="ieee", ACC_FP64=False, USE_TMA=False,
     FULL_Q_RUNS=False, FULL_KV_RUNS=False, P_FROM_LSE=True, DENSE=False, DKDV_WARP_SPEC=False, DQ_WARP_SPEC=False)
 sig = {}
 for name in k.arg_names:

@@ -478,15 +478,17 @@ def template_choice(q, k, v, grad_out, score_lowered, kv_blocks: BlockTensors, q
 
 def _template_args(q, k, v, grad_out, dq, dk, dv, row_stats, delta, kv_blocks: BlockTensors,
                    q_blocks: BlockTensors, scale: float, opts: KernelOptions, score_lowered, caps: tuple,
-                   grad_args: list, choice: BackwardChoice):
+                   grad_args: list, choice: BackwardChoice, unread=None):
     """(arguments, fixed, constexprs) of ``flex_bwd_kernel`` for the paths of ``choice``, but its
     tiles and PHASE. The arguments are (tensors of the call, fixed, captures, gradient buffers): a
-    plan keeps ``fixed``. ``row_stats``: lse2 where ``choice.p_from_lse``."""
+    plan keeps ``fixed``. ``row_stats``: lse2 where ``choice.p_from_lse``. ``unread``: a function
+    returning a tensor of its own for each table pointer the kernel does not read (tables without
+    full blocks); None: the partial tables stand in."""
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     sparse_q, sparse_kv = kv_blocks.sparse_block
-    qn, qi = q_blocks.full_tables()
-    kn, ki = kv_blocks.full_tables()
+    qn, qi = q_blocks.full_tables() if unread is None or q_blocks.full_num_blocks is not None else (unread(), unread())
+    kn, ki = kv_blocks.full_tables() if unread is None or kv_blocks.full_num_blocks is not None else (unread(), unread())
     ws_rows = choice.warp_spec_rows
     fixed = (
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
@@ -622,12 +624,16 @@ def backward_inline(q, k, v, out, row_stats, grad_out, grad_lse, score_lowered, 
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     policy = opts.dispatch.backward
     dense = kv_blocks is None
+    # Every pointer gets a tensor of its own: Inductor treats a kernel's tensor arguments as
+    # distinct buffers, and where its analysis of the kernel's writes gives up, as all written.
+    def unread(shape=(1,), dtype=torch.int32):
+        return torch.zeros(shape, dtype=dtype, device=q.device)
+
     if dense:
-        # DENSE visits every tile as a full block and reads no table: one int32 zero stands in for
-        # each, the full ones included (the template runs DENSE in its full-block loop).
-        zero = torch.zeros((B, Hq, 1), dtype=torch.int32, device=q.device)
-        kv_blocks = q_blocks = BlockTensors(zero, zero.unsqueeze(-1), zero, zero.unsqueeze(-1),
-                                            _DENSE_SPARSE_BLOCK)
+        # DENSE visits every tile as a full block and reads no table: int32 zeros stand in for the
+        # tables, the full ones included (the template runs DENSE in its full-block loop).
+        kv_blocks, q_blocks = (BlockTensors(unread((B, Hq, 1)), unread((B, Hq, 1, 1)), unread((B, Hq, 1)),
+                                            unread((B, Hq, 1, 1)), _DENSE_SPARSE_BLOCK) for _ in range(2))
     sparse_q, sparse_kv = kv_blocks.sparse_block
     trivial = score_lowered.is_trivial
     dkdv_tiles, dq_tiles = _tiles(opts, max(pad_head_dim(D), pad_head_dim(Dv)), q.element_size(), sparse_q,
@@ -638,11 +644,8 @@ def backward_inline(q, k, v, out, row_stats, grad_out, grad_lse, score_lowered, 
     module = backward_module(score_lowered, score_bwd_lowered, mask_lowered)
     fp64 = q.dtype == torch.float64
     acc = torch.float64 if fp64 else torch.float32
-    # Each pointer the kernels write gets a tensor of its own, and the unread ones a stand-in:
-    # Inductor treats the arguments of a kernel it launches as distinct buffers.
     delta = torch.empty((B, Hq, L), dtype=acc, device=q.device)
     lse2 = torch.empty((B, Hq, L), dtype=acc, device=q.device) if choice.p_from_lse else None
-    stand_in = torch.empty((1,), dtype=acc, device=q.device)
     grad_lse = _check_grad_lse(grad_lse, q, row_stats.dtype)
     row_stats = row_stats.contiguous()
     pre = module.flex_bwd_preprocess
@@ -653,9 +656,9 @@ def backward_inline(q, k, v, out, row_stats, grad_out, grad_lse, score_lowered, 
     for name, default in _constexpr_defaults(pre).items():
         pre_constexprs.setdefault(name, default)
     wrap_triton(pre)[((L + pre_m - 1) // pre_m, B * Hq, 1)](
-        out, grad_out, delta, row_stats, stand_in if lse2 is None else lse2,
-        stand_in if grad_lse is None else grad_lse, *out.stride(), *grad_out.stride(), B * Hq * L, L, Hq,
-        **pre_constexprs)
+        out, grad_out, delta, row_stats, unread(dtype=acc) if lse2 is None else lse2,
+        unread(dtype=acc) if grad_lse is None else grad_lse, *out.stride(), *grad_out.stride(), B * Hq * L, L,
+        Hq, **pre_constexprs)
 
     captured = score_lowered.captured
     grad_buffers, grad_args = _grad_buffers(captured, score_bwd_lowered.grad_of, opts.deterministic, q.device)
@@ -664,7 +667,8 @@ def backward_inline(q, k, v, out, row_stats, grad_out, grad_lse, score_lowered, 
     dv = torch.empty_like(v, memory_format=torch.contiguous_format)
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
     args, _, common = _template_args(q, k, v, grad_out, dq, dk, dv, row_stats if lse2 is None else lse2, delta,
-                                     kv_blocks, q_blocks, scale, opts, score_lowered, caps, grad_args, choice)
+                                     kv_blocks, q_blocks, scale, opts, score_lowered, caps, grad_args, choice,
+                                     unread)
     kernel = module.flex_bwd_kernel
     for name, default in _constexpr_defaults(kernel).items():
         common.setdefault(name, default)

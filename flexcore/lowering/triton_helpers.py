@@ -188,15 +188,22 @@ def fl_pow_int(x, y):
     return result
 
 
-@triton.jit
-def fl_to_bfloat16(x):
-    # Round to nearest even explicitly: the interpreter's float32 -> bfloat16 cast truncates.
-    x = x.to(tl.float32)
-    bits = x.to(tl.uint32, bitcast=True)
-    lsb = (bits >> 16) & 1
-    rounded = ((bits + 0x7FFF + lsb) >> 16) << 16
-    r = tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
-    return r.to(tl.bfloat16)
+if _INTERPRET:
+    @triton.jit
+    def fl_to_bfloat16(x):
+        # Round to nearest even explicitly: the interpreter's float32 -> bfloat16 cast truncates.
+        x = x.to(tl.float32)
+        bits = x.to(tl.uint32, bitcast=True)
+        lsb = (bits >> 16) & 1
+        rounded = ((bits + 0x7FFF + lsb) >> 16) << 16
+        r = tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+        return r.to(tl.bfloat16)
+else:
+    @triton.jit
+    def fl_to_bfloat16(x):
+        # The GPU converts with round to nearest even in one instruction (the integer rounding
+        # above takes several per element and registers in the backward's hottest loop).
+        return x.to(tl.float32).to(tl.bfloat16, fp_downcast_rounding="rtne")
 
 
 # ------------------------------------------------------------------------------------------------
