@@ -551,7 +551,7 @@ def test_inline_backward_choice():
 
     assert not choice(inline="on")[0]  # inline_backward "off"
     assert choice(inline="on", inline_backward="auto")[0]
-    assert not choice(inline="auto", inline_backward="auto")[0]  # float32 under "auto": not inline
+    assert not choice(inline="auto", inline_backward="auto")[0]  # the interpreter is inline only with "on"
     assert choice(inline="auto", inline_backward="on")[0]
     assert choice(mask=False, inline="off", inline_backward="on")[0]
     forced = DispatchPolicy().replace(launch={"inline_backward": "on"}, gluon={"backward": "on"})

@@ -1,0 +1,55 @@
+"""The inline compiled ops as Inductor's AOT stage traces them on CUDA, checked on a machine without
+a GPU (tests/flexcore/trace_inline.py, in its own process): their bodies trace over fake CUDA
+tensors into Triton launches alone, and Inductor's analysis of each kernel finds the buffers it
+writes, never an input it only reads (an input it took for written would be cloned at every call,
+and two arguments sharing a buffer would then fail to functionalize)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TABLES = {"KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX", "Q_NUM_BLKS", "Q_IDX",
+          "FULL_Q_NUM_BLKS", "FULL_Q_IDX"}
+# The pointers each op's kernels only read (sm_c0_ptr: the score_mod's captured slopes).
+FORWARD_READS = {"Q", "K", "V", "DESCALE_Q", "DESCALE_K", "DESCALE_V", "ORDER", "sm_c0_ptr"} | TABLES
+BACKWARD_READS = {"Q", "K", "V", "DO", "DOut", "Out", "ROW_STATS", "GRAD_LSE", "sm_c0_ptr"} | TABLES
+
+
+def trace(*case: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "tests.flexcore.trace_inline", *case], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _check_launches(got: dict, expected: list[tuple[str, int | None, set]], reads: set) -> None:
+    assert got["fallbacks"] == 0, "Inductor could not analyse a kernel's writes"
+    assert got["flexcore_ops"] == [], "the op's body left a flexcore op in the graph"
+    launches = got["launches"]
+    assert [(x["kernel"], x["phase"]) for x in launches] == [(k, p) for k, p, _ in expected]
+    for launch, (_, _, writes) in zip(launches, expected):
+        assert writes <= set(launch["writes"]), launch
+        assert not reads & set(launch["writes"]), launch
+
+
+@pytest.mark.parametrize("mask", ["causal", "none"])
+def test_inline_forward_traces_to_one_launch(mask):
+    _check_launches(trace("forward", mask, "gqa"), [("flex_forward_kernel", None, {"Out", "LSE", "ROW_STATS"})],
+                    FORWARD_READS)
+
+
+@pytest.mark.parametrize("case", [("causal", "grad"), ("none", "gqa")], ids=["causal-grad", "dense-gqa"])
+def test_inline_backward_traces_to_its_launches(case):
+    mask, extra = case
+    got = trace("backward", mask, extra)
+    grads = {"sm_g0_ptr"} if extra == "grad" else set()
+    expected = [("flex_bwd_preprocess", None, {"Delta", "LSE2"})]
+    if extra == "grad":  # captured gradients: delta from the backward's own probabilities first
+        expected.append(("flex_bwd_kernel", 3, {"DELTA"}))
+    expected += [("flex_bwd_kernel", 1, {"DK", "DV"} | grads), ("flex_bwd_kernel", 2, {"DQ"})]
+    _check_launches(got, expected, BACKWARD_READS)
