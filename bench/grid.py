@@ -126,7 +126,8 @@ class Settings:
     pin_host: bool = True
     #: time a case's providers in this many interleaved rounds (each with its warm-up and a share of
     #: rep_ms, min_reps and max_reps; the repetitions pooled), so that a drift of the host or the
-    #: GPU's clocks during the case falls on every provider alike; 1: each provider at once
+    #: GPU's clocks during the case falls on every provider alike; 1: each provider at once. Not
+    #: for passes timed under CUDA graphs or train_step cases (bench/README.md)
     rounds: int = 1
     #: torch.compile backend of the flexlab_compiled provider and of train-step blocks; inductor
     #: is what training runs use, aot_eager traces the same graphs without code generation

@@ -423,11 +423,13 @@ class CaseRunner:
 
     def _time_rounds(self):
         """Time the deferred providers in the grid's ``rounds``, one after another in each round,
-        and report each over its rounds' repetitions pooled."""
+        in reverse order every other round (a drift that is linear in time then falls on each
+        alike), and report each over its rounds' repetitions pooled."""
         rounds = self.grid.settings.rounds
-        timings: dict[str, list] = {name: [] for name, _ in self._deferred}
-        for _ in range(rounds):
-            for name, step in self._deferred:
+        deferred, self._deferred = self._deferred, []
+        timings: dict[str, list] = {name: [] for name, _ in deferred}
+        for r in range(rounds):
+            for name, step in (deferred if r % 2 == 0 else deferred[::-1]):
                 if name not in timings:  # its timing failed in an earlier round
                     continue
                 try:
@@ -435,9 +437,11 @@ class CaseRunner:
                 except Exception as exc:
                     del timings[name]
                     self._error(name, "timing", exc)
-        self._deferred = []
         for name, parts in timings.items():
-            self._timing_result(name, pooled(parts), None, f"; {rounds} interleaved rounds")
+            try:
+                self._timing_result(name, pooled(parts), None, f"; {rounds} interleaved rounds")
+            except Exception as exc:  # one provider's rows must not lose the others'
+                self._error(name, "unexpected", exc)
 
     def _timing_result(self, name: str, timing, eager, extra_note: str) -> None:
         """The rows of a provider's timing: times, repetitions, TFLOP/s (and GB/s for decoding)."""

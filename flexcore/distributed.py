@@ -67,8 +67,9 @@ def _resolve_group(group, what: str):
     return group
 
 
-# Side groups per parent group, held no longer than the parent: a process group that outlives
-# destroy_process_group is torn down in interpreter finalization, where gloo's teardown is unsafe.
+# Side groups per parent group, which flexcore holds no longer than the parent: a process group
+# kept past destroy_process_group is torn down in interpreter finalization, where gloo's teardown
+# is unsafe.
 _SIDE_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 atexit.register(_SIDE_GROUPS.clear)  # the parent may live until finalization; its side groups do not
 

@@ -831,13 +831,15 @@ def inline_call(args: tuple, switch: str | None = None):
 
 def inline_backward_call(args: tuple):
     """As :func:`inline_call`, for the backward of a call with the inline forward op's ``args``:
-    by the launch policy's ``inline_backward`` rule, and only with the mask's transposed tables
-    (a mask without them has them computed from its tables' values)."""
+    by the launch policy's ``inline_backward`` rule, only with the mask's transposed tables (a
+    mask without them has them computed from its tables' values), and without a mask only where
+    the policy allows the dense path (the inline backward runs it there)."""
     dispatch = spec_of(args[-2]).opts.dispatch
     rule = dispatch.launch
     tables = args[3:3 + len(_TABLES)]
     if (rule.inline_backward == "off" or dispatch.gluon.backward == "on"
-            or (tables[0] is not None and tables[5] is None)):
+            or (tables[0] is not None and tables[5] is None)
+            or (tables[0] is None and dispatch.backward.dense == "off")):  # no mask: the dense path
         return None
     return inline_call(args, switch=rule.inline if rule.inline_backward == "auto" else "on")
 

@@ -57,8 +57,10 @@ D = 128
 consts = dict(PHASE=phase, GQA_GROUP=1, HEAD_DIM=D, HEAD_DIM_PAD=D, HEAD_DIM_V=D, HEAD_DIM_V_PAD=D,
     DKDV_BLOCK_M=64, DKDV_BLOCK_N=128, DQ_BLOCK_M=128, DQ_BLOCK_N=128, SPARSE_Q_BLOCK=128, SPARSE_KV_BLOCK=128,
     HAS_FULL_BLOCKS=True, EVEN_Q=True, EVEN_KV=True, SCORE_IS_TRIVIAL=True, WRITE_CAPTURED_GRADS=False,
-    FIXED_POINT_GRADS=False, UPCAST_DOT=False, INPUT_PRECISION="ieee", ACC_FP64=False, USE_TMA=False,
+    FIXED_POINT_GRADS=False, UPCAST_DOT=False, INPUT_PRECISION="ieee", USE_TMA=False,
     FULL_Q_RUNS=False, FULL_KV_RUNS=False, P_FROM_LSE=True, DENSE=False, DKDV_WARP_SPEC=False, DQ_WARP_SPEC=False)
+# The accumulator's dtype: a flag since the inline backward, a tl.dtype in older templates.
+consts.update(ACC_FP64=False) if "ACC_FP64" in k.arg_names else consts.update(ACC_DTYPE=tl.float32)
 sig = {}
 for name in k.arg_names:
     if name in consts: sig[name] = "constexpr"

@@ -487,8 +487,11 @@ def _template_args(q, k, v, grad_out, dq, dk, dv, row_stats, delta, kv_blocks: B
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     sparse_q, sparse_kv = kv_blocks.sparse_block
-    qn, qi = q_blocks.full_tables() if unread is None or q_blocks.full_num_blocks is not None else (unread(), unread())
-    kn, ki = kv_blocks.full_tables() if unread is None or kv_blocks.full_num_blocks is not None else (unread(), unread())
+    # Stand-ins of the tables' rank: the kernel takes three strides of each.
+    qn, qi = (q_blocks.full_tables() if unread is None or q_blocks.full_num_blocks is not None
+              else (unread((1, 1, 1)), unread((1, 1, 1, 1))))
+    kn, ki = (kv_blocks.full_tables() if unread is None or kv_blocks.full_num_blocks is not None
+              else (unread((1, 1, 1)), unread((1, 1, 1, 1))))
     ws_rows = choice.warp_spec_rows
     fixed = (
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
@@ -627,11 +630,11 @@ def backward_inline(q, k, v, out, row_stats, grad_out, grad_lse, score_lowered, 
     # Every pointer gets a tensor of its own: Inductor treats a kernel's tensor arguments as
     # distinct buffers, and where its analysis of the kernel's writes gives up, as all written.
     def unread(shape=(1,), dtype=torch.int32):
-        return torch.zeros(shape, dtype=dtype, device=q.device)
+        return torch.empty(shape, dtype=dtype, device=q.device)
 
     if dense:
-        # DENSE visits every tile as a full block and reads no table: int32 zeros stand in for the
-        # tables, the full ones included (the template runs DENSE in its full-block loop).
+        # DENSE visits every tile as a full block and reads no table: stand-ins take the tables'
+        # places, the full ones included (the template runs DENSE in its full-block loop).
         kv_blocks, q_blocks = (BlockTensors(unread((B, Hq, 1)), unread((B, Hq, 1, 1)), unread((B, Hq, 1)),
                                             unread((B, Hq, 1, 1)), _DENSE_SPARSE_BLOCK) for _ in range(2))
     sparse_q, sparse_kv = kv_blocks.sparse_block

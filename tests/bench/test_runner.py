@@ -95,7 +95,8 @@ def test_wrong_outputs_and_gradients_fail(tmp_path, monkeypatch):
 
 def test_rounds_interleave_the_providers_and_pool_their_repetitions(tmp_path, monkeypatch):
     """With settings.rounds = 3, a case's providers are timed one after another in each of 3 rounds
-    (each a third of the repetitions), and each reports quantiles over the pooled repetitions."""
+    (each a third of the repetitions, every other round in reverse order), and each reports
+    quantiles over the pooled repetitions."""
     from bench import timing
 
     for p in (PerturbedProvider("first"), PerturbedProvider("second")):
@@ -111,7 +112,7 @@ def test_rounds_interleave_the_providers_and_pool_their_repetitions(tmp_path, mo
     grid = small_grid(providers=("first", "second"), passes=("fwd",), variants=[CAUSAL], cpu_reps=6,
                       rounds=3)
     rows = _rows(runner.run(grid, tmp_path / "r", progress=False, log=lambda m: None))
-    assert order == [0, 1] * 3, order
+    assert order == [0, 1, 1, 0, 0, 1], order
     for name in ("first", "second"):
         got = {r["metric"]: r for r in _by(rows, provider=name)}
         assert got["reps"]["value"] == 6  # 3 rounds of 2

@@ -458,9 +458,10 @@ def test_inline_forward_choice():
 
 
 
-def _inline_args(score_mod, mask_mod, L, Hq, Hkv, policy, seed, **options):
+def _inline_args(score_mod, mask_mod, L, Hq, Hkv, policy, seed, block_mask=None, **options):
     """(args of the inline forward op, q, k, v, BlockMask or None) of a float32 call (the
-    interpreter's dtype) under ``policy``."""
+    interpreter's dtype) under ``policy``; ``block_mask``: the mask_mod's BlockMask, if not the
+    one create_block_mask builds."""
     attention.ready()
     g = torch.Generator().manual_seed(seed)
     device = torch.device("cpu")
@@ -473,7 +474,7 @@ def _inline_args(score_mod, mask_mod, L, Hq, Hkv, policy, seed, **options):
     k, v = (torch.randn(2, Hkv, L, D, generator=g, requires_grad=True) for _ in range(2))
     bm, block, tables = None, [], [None] * 8
     if mask_mod is not None:
-        bm = create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+        bm = block_mask or create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=32)
         block = [*bm.BLOCK_SIZE, *bm.seq_lengths]
         tables = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
                   bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
@@ -483,14 +484,17 @@ def _inline_args(score_mod, mask_mod, L, Hq, Hkv, policy, seed, **options):
     return args, q, k, v, bm
 
 
-@pytest.mark.parametrize("case", ["causal_alibi_lse", "dense_gqa_softcap", "fused_deterministic"])
+@pytest.mark.parametrize("case", ["causal_alibi_lse", "dense_gqa_softcap", "fused_deterministic",
+                                  "no_full_blocks"])
 def test_inline_backward_op_against_float64(case):
     """The inline backward (the kernels Inductor launches; eagerly here, through the interpreter),
     reached through the inline forward op's registered autograd: dq, dk, dv and a captured tensor's
-    gradient as the float64 reference within twice torch's own error, and as flexcore's backward
-    op. Cases: a causal ALiBi mask whose loss reads the lse; no mask (the dense path) with grouped
-    heads, a length the tiles do not divide and a tanh soft-cap; one launch for both kinds of
-    program (backward.fused "on") with deterministic captured gradients."""
+    gradient as the float64 reference within twice torch's own error, and bit for bit as
+    flexcore's backward op. Cases: a causal ALiBi mask whose loss reads the lse; no mask (the dense
+    path) with grouped heads, a length the tiles do not divide and a tanh soft-cap; one launch for
+    both kinds of program (backward.fused "on") with deterministic captured gradients; a causal
+    mask given as tables without full blocks (BlockMask.from_kv_blocks)."""
+    from flexcore import BlockMask
     from flexcore.kernels.policy import DispatchPolicy
 
     g = torch.Generator().manual_seed(seed_of(case))
@@ -507,7 +511,15 @@ def test_inline_backward_op_against_float64(case):
     mask_mod = None if case == "dense_gqa_softcap" else causal
     policy = DispatchPolicy().replace(launch={"inline": "on", "inline_backward": "on"},
                                       backward={"fused": "on" if case == "fused_deterministic" else "off"})
-    args, q, k, v, bm = _inline_args(score_mod, mask_mod, L, Hq, Hkv, policy, seed_of(case),
+    given = None
+    if case == "no_full_blocks":  # every kept block listed as partial
+        n = L // 32
+        given = BlockMask.from_kv_blocks(
+            torch.arange(1, n + 1, dtype=torch.int32).view(1, 1, n),
+            torch.arange(n, dtype=torch.int32).expand(1, 1, n, n).contiguous(), BLOCK_SIZE=32,
+            mask_mod=causal, seq_lengths=(L, L))
+        assert given.full_kv_num_blocks is None
+    args, q, k, v, bm = _inline_args(score_mod, mask_mod, L, Hq, Hkv, policy, seed_of(case), block_mask=given,
                                      deterministic=case == "fused_deterministic")
     assert ops.inline_backward_call(args) is not None  # the backward op's body takes the inline path
     weights = torch.randn(2, Hq, L, D, generator=g)
@@ -535,13 +547,14 @@ def test_inline_backward_op_against_float64(case):
     for name, ours, same, ref, torch_same in zip(("dq", "dk", "dv", "dslopes"), grads["inline"],
                                                  grads["flexcore"], gold, base):
         assert_close_to_reference(ours, ref, torch_same, name=f"{case} {name}", metric="rel_fro")
-        torch.testing.assert_close(ours, same, rtol=1e-5, atol=1e-5, msg=f"{case} {name}")
+        # The same kernels and tiles as the eager backward under the interpreter.
+        torch.testing.assert_close(ours, same, rtol=0, atol=0, msg=f"{case} {name}")
 
 
 def test_inline_backward_choice():
     """The launch policy's inline_backward rule: off by default; auto where the forward's inline
     rule takes the call; on wherever the inline forward applies; never with a forced Gluon
-    backward or a mask without its transposed tables."""
+    backward, a mask without its transposed tables, or no mask where the dense path is off."""
     from flexcore.kernels.policy import DispatchPolicy
 
     def choice(mask=True, **launch):
@@ -556,20 +569,24 @@ def test_inline_backward_choice():
     assert choice(mask=False, inline="off", inline_backward="on")[0]
     forced = DispatchPolicy().replace(launch={"inline_backward": "on"}, gluon={"backward": "on"})
     assert ops.inline_backward_call(_inline_args(None, causal, 64, H, H, forced, 3)[0]) is None
+    no_dense = DispatchPolicy().replace(launch={"inline_backward": "on"}, backward={"dense": "off"})
+    assert ops.inline_backward_call(_inline_args(None, None, 64, H, H, no_dense, 3)[0]) is None
+    assert ops.inline_backward_call(_inline_args(None, causal, 64, H, H, no_dense, 3)[0]) is not None
     _, args = choice(inline_backward="on")
     without_q_tables = (*args[:7], None, None, None, None, *args[11:])
     assert ops.inline_backward_call(without_q_tables) is None
 
 
 def test_opcheck_inline_backward_op():
-    """The inline backward op's schema, fake implementation and autograd registration, as
-    torch.library checks them, on the inline path."""
+    """The inline backward op's schema and autograd registration (its inputs require grad: the
+    check runs on them), as torch.library checks them, on the inline path."""
     from flexcore.kernels.policy import DispatchPolicy
 
     policy = DispatchPolicy().replace(launch={"inline": "on", "inline_backward": "on"})
     args, q, k, v, _ = _inline_args(None, causal, 64, H, H, policy, 5)
     q, k, v = (t.detach() for t in (q, k, v))
     out, lse, row_stats = torch.ops.flexcore.flex_attention_forward_inline(q, k, v, *args[3:])
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     bwd_args = (q, k, v, out, row_stats, torch.randn_like(out), torch.randn_like(lse), *args[3:])
     assert ops.inline_backward_call((q, k, v, *args[3:])) is not None
     # Its fake implementation is not checked here: under the interpreter the fake tensors would

@@ -191,12 +191,14 @@ def _inline_case(mask, D, dtype, kernel_options):
     for name, a, gold, b in zip(("out", "lse", "dq", "dk", "dv", "dslopes"), got, golden, base):
         assert_close_to_reference(a, gold, b, name=f"{mask}/D{D}: {name}", metric="rel_fro")
 
-    # float32 is not inline's (the policy's default): the same call runs flexcore's forward op.
+    # float32 is not inline's (the policy's default): the same call runs flexcore's forward op. Its
+    # backward is inline where inline_backward is "on" (that switch takes float32 too).
     torch._dynamo.reset()
     inputs32 = [t.float() for t in inputs[:3]] + [slopes]
     got32, codes = run_and_get_code(lambda: results(torch.compile(attend(), fullgraph=True), inputs32))
     assert "flexcore.flex_attention_forward.default" in codes[0]
     base32 = results(attend(reference=False), inputs32)
-    for name, a, gold, b in zip(("out", "lse"), got32, golden, base32):
+    names = ("out", "lse", "dq", "dk", "dv", "dslopes")
+    for name, a, gold, b in zip(names, got32, golden, base32):
         assert_close_to_reference(a, gold, b, name=f"{mask}/D{D} float32: {name}", metric="rel_fro")
 
