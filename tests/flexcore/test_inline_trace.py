@@ -2,7 +2,8 @@
 a GPU (tests/flexcore/trace_inline.py, in its own process): their bodies trace over fake CUDA
 tensors into Triton launches alone, and Inductor's analysis of each kernel finds the buffers it
 writes, never an input it only reads (an input it took for written would be cloned at every call,
-and two arguments sharing a buffer would then fail to functionalize)."""
+and two arguments sharing a buffer, as a tensor that both mods capture, would then fail to
+functionalize)."""
 from __future__ import annotations
 
 import json
@@ -15,9 +16,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 TABLES = {"KV_NUM_BLKS", "KV_IDX", "FULL_KV_NUM_BLKS", "FULL_KV_IDX", "Q_NUM_BLKS", "Q_IDX",
           "FULL_Q_NUM_BLKS", "FULL_Q_IDX"}
-# The pointers each op's kernels only read (sm_c0_ptr: the score_mod's captured slopes).
-FORWARD_READS = {"Q", "K", "V", "DESCALE_Q", "DESCALE_K", "DESCALE_V", "ORDER", "sm_c0_ptr"} | TABLES
-BACKWARD_READS = {"Q", "K", "V", "DO", "DOut", "Out", "ROW_STATS", "GRAD_LSE", "sm_c0_ptr"} | TABLES
+# The mods' captured tensors: the score_mod's slopes and document ids, the mask_mod's document ids.
+CAPTURED = {"sm_c0_ptr", "sm_c1_ptr", "mm_c0_ptr"}
+# The pointers each op's kernels only read.
+FORWARD_READS = {"Q", "K", "V", "DESCALE_Q", "DESCALE_K", "DESCALE_V", "ORDER"} | TABLES | CAPTURED
+BACKWARD_READS = {"Q", "K", "V", "DO", "DOut", "Out", "ROW_STATS", "GRAD_LSE"} | TABLES | CAPTURED
 
 
 def trace(*case: str) -> dict:
@@ -37,13 +40,15 @@ def _check_launches(got: dict, expected: list[tuple[str, int | None, set]], read
         assert not reads & set(launch["writes"]), launch
 
 
-@pytest.mark.parametrize("mask", ["causal", "none"])
+@pytest.mark.parametrize("mask", ["causal", "none", "document"])
 def test_inline_forward_traces_to_one_launch(mask):
     _check_launches(trace("forward", mask, "gqa"), [("flex_forward_kernel", None, {"Out", "LSE", "ROW_STATS"})],
                     FORWARD_READS)
 
 
-@pytest.mark.parametrize("case", [("causal", "grad"), ("none", "gqa")], ids=["causal-grad", "dense-gqa"])
+# document: the score_mod and the mask_mod read one tensor, which the launches take twice.
+@pytest.mark.parametrize("case", [("causal", "grad"), ("none", "gqa"), ("document", "grad")],
+                         ids=["causal-grad", "dense-gqa", "document-shared-capture"])
 def test_inline_backward_traces_to_its_launches(case):
     mask, extra = case
     got = trace("backward", mask, extra)

@@ -7,7 +7,8 @@ its body), so every decision in their bodies must read shapes alone. Run in its 
 test_inline_trace.py: it makes flexcore take its GPU code paths (no interpreter) and gives
 triton an sm_90 target for the write analysis, which compiles each kernel to TTIR.
 
-Usage: python -m tests.flexcore.trace_inline {forward|backward} {causal|none} [grad] [gqa]
+Usage: python -m tests.flexcore.trace_inline {forward|backward} {causal|document|none} [grad] [gqa]
+("document": the score_mod and the mask_mod read one captured tensor of document ids)
 """
 from __future__ import annotations
 
@@ -67,34 +68,47 @@ def main(argv: list[str]) -> None:
     cuda = torch.device("cuda")
     cpu_mask = create_block_mask(causal, None, None, L, L, device="cpu", BLOCK_SIZE=128)
     with FakeTensorMode():
-        # The mod is recorded over CPU tensors: autograd (a captured tensor that requires grad)
+        # The mods are recorded over CPU tensors: autograd (a captured tensor that requires grad)
         # has no CUDA device here.
         slopes_cpu = torch.rand(Hq, requires_grad=grad)
+        doc_cpu = torch.zeros(L, dtype=torch.int64)
 
         def alibi(score, b, h, q_idx, kv_idx):
             return score - slopes_cpu[h] * (q_idx - kv_idx)
 
-        score = ops.record(alibi, "score", torch.float32, torch.device("cpu"))
-        mask = None if mask_kind == "none" else ops.record(causal, "mask", torch.float32, cuda)
+        def alibi_by_document(score, b, h, q_idx, kv_idx):
+            return score - slopes_cpu[h] * (q_idx - kv_idx) + (doc_cpu[q_idx] == doc_cpu[kv_idx])
+
+        def document(b, h, q_idx, kv_idx):
+            return (doc_cpu[q_idx] == doc_cpu[kv_idx]) & (q_idx >= kv_idx)
+
+        cpu = torch.device("cpu")
+        score = ops.record(alibi_by_document if mask_kind == "document" else alibi, "score", torch.float32, cpu)
+        mask = None if mask_kind == "none" else ops.record(document if mask_kind == "document" else causal,
+                                                           "mask", torch.float32, cpu)
         policy = DispatchPolicy().replace(launch={"inline": "on", "inline_backward": "on"})
         call = ops.register_call(score.constants, None if mask is None else mask.constants, torch.bfloat16,
                                  "cuda", {"policy": policy}, False)
         q = torch.randn(B, Hq, L, D, device=cuda, dtype=torch.bfloat16)
         k, v = (torch.randn(B, Hkv, L, D, device=cuda, dtype=torch.bfloat16) for _ in range(2))
         slopes = torch.rand(Hq, device=cuda)
+        doc = torch.zeros(L, dtype=torch.int64, device=cuda)
+        # The call's captured tensors, on the device, in the recorded order (one doc for both mods).
+        score_caps = [slopes, doc] if mask_kind == "document" else [slopes]
+        mask_caps = [doc] if mask_kind == "document" else []
         tables = [] if mask is None else [
             torch.empty(tuple(t.shape), dtype=t.dtype, device=cuda).as_strided(tuple(t.shape), t.stride())
             for t in (cpu_mask.kv_num_blocks, cpu_mask.kv_indices, cpu_mask.full_kv_num_blocks,
                       cpu_mask.full_kv_indices, cpu_mask.q_num_blocks, cpu_mask.q_indices,
                       cpu_mask.full_q_num_blocks, cpu_mask.full_q_indices)]
         block = [] if mask is None else [*cpu_mask.BLOCK_SIZE, *cpu_mask.seq_lengths]
-        rest = ([] if mask is None else mask.captured, score.ints, score.floats,
+        rest = (mask_caps, score.ints, score.floats,
                 [] if mask is None else mask.ints, [] if mask is None else mask.floats, block, call,
                 1 / math.sqrt(D))
         if op == "forward":
             def run(q, k, v, slopes, *tabs):
                 tabs = list(tabs) or [None] * 8
-                return torch.ops.flexcore.flex_attention_forward_inline(q, k, v, *tabs, [slopes], *rest)
+                return torch.ops.flexcore.flex_attention_forward_inline(q, k, v, *tabs, score_caps, *rest)
             inputs = (q, k, v, slopes, *tables)
         else:
             out = torch.empty(B, Hq, L, D, device=cuda, dtype=torch.bfloat16)
@@ -104,7 +118,7 @@ def main(argv: list[str]) -> None:
             def run(q, k, v, out, row_stats, grad_out, grad_lse, slopes, *tabs):
                 tabs = list(tabs) or [None] * 8
                 return torch.ops.flexcore.flex_attention_backward_inline(
-                    q, k, v, out, row_stats, grad_out, grad_lse, *tabs, [slopes], *rest)
+                    q, k, v, out, row_stats, grad_out, grad_lse, *tabs, score_caps, *rest)
             inputs = (q, k, v, out, row_stats, grad_out, grad_lse, slopes, *tables)
         graph = make_fx(dispatch_functionalize(run), tracing_mode="fake")(*inputs)
 
