@@ -36,6 +36,7 @@ def _check_launches(got: dict, expected: list[tuple[str, int | None, set]], read
     launches = got["launches"]
     assert [(x["kernel"], x["phase"]) for x in launches] == [(k, p) for k, p, _ in expected]
     for launch, (_, _, writes) in zip(launches, expected):
+        assert launch["upcast_dot"] is not True, "traced the interpreter's code path, not the GPU's"
         assert writes <= set(launch["writes"]), launch
         assert not reads & set(launch["writes"]), launch
 

@@ -129,6 +129,7 @@ def main(argv: list[str]) -> None:
             constants = kernel_side_table.get_constant_args(node.kwargs["constant_args_idx"])
             values = {**constants, **node.kwargs["kwargs"]}
             launches.append({"kernel": kernel.fn.__name__, "phase": values.get("PHASE"),
+                             "upcast_dot": values.get("UPCAST_DOT"),
                              "writes": sorted(node.kwargs["tensors_to_clone"]),
                              "tensors": sorted(k for k, v in node.kwargs["kwargs"].items()
                                                if isinstance(v, torch.fx.Node))})
