@@ -350,21 +350,36 @@ def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool, grad_lse=Non
     """delta = rowsum(dO * O) - grad_lse (without the rowsum where not ``delta_from_out``: the
     PHASE 3 pass adds its own), and with ``p_from_lse`` the rows' lse2 = m + log2(l), in one buffer
     (1 or 2, B, Hq, L) of the accumulation dtype; and the preprocessing launch's integer arguments."""
-    B, Hq, L, Dv = out.shape
+    B, Hq, L, _ = out.shape
     fp64 = out.dtype == torch.float64
     row_terms = torch.empty((2 if p_from_lse else 1, B, Hq, L), dtype=torch.float64 if fp64 else torch.float32,
                             device=out.device)
-    pre_m = 64
-    pre_fixed = (*out.stride(), *grad_out.stride(), B * Hq * L, L, Hq)
+    grid, pre_fixed, constexprs = _preprocess_launch(out, grad_out, p_from_lse, grad_lse is not None,
+                                                     delta_from_out)
     # An absent grad_lse is not read (HAS_GRAD_LSE): delta's buffer stands in for the pointer.
-    run(module.flex_bwd_preprocess, (math.ceil(L / pre_m), B * Hq),
+    run(module.flex_bwd_preprocess, grid,
         (out, grad_out, row_terms[0], row_stats, row_terms[-1],
          row_terms[0] if grad_lse is None else grad_lse, *pre_fixed),
-        dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=pad_head_dim(Dv), BLOCK_M=pre_m,
-             ACC_FP64=fp64, P_FROM_LSE=p_from_lse,
-             HAS_GRAD_LSE=grad_lse is not None, DELTA_FROM_OUT=delta_from_out),
-        (DEFAULT_POLICY if opts is None else opts.dispatch).launch)
+        constexprs, (DEFAULT_POLICY if opts is None else opts.dispatch).launch)
     return row_terms, pre_fixed
+
+
+def _preprocess_launch(out, grad_out, p_from_lse: bool, has_grad_lse: bool, delta_from_out: bool):
+    """(grid, integer arguments, constexprs) of ``flex_bwd_preprocess`` over ``out``'s rows."""
+    B, Hq, L, Dv = out.shape
+    block_m = 64
+    fixed = (*out.stride(), *grad_out.stride(), B * Hq * L, L, Hq)
+    constexprs = dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=pad_head_dim(Dv), BLOCK_M=block_m,
+                      ACC_FP64=out.dtype == torch.float64, P_FROM_LSE=p_from_lse, HAS_GRAD_LSE=has_grad_lse,
+                      DELTA_FROM_OUT=delta_from_out)
+    return (math.ceil(L / block_m), B * Hq), fixed, constexprs
+
+
+def _row_rules(opts: KernelOptions, itemsize: int, wants_captured_grads: bool) -> tuple[bool, bool]:
+    """(p_from_lse, exact_delta): the policy's backward rules for the rows' statistics, which
+    read the input's element size and whether captured tensors want gradients alone."""
+    policy = opts.dispatch.backward
+    return policy.p_from_lse and itemsize == 2, policy.exact_delta and wants_captured_grads
 
 
 def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
@@ -455,8 +470,7 @@ def template_choice(q, k, v, grad_out, score_lowered, kv_blocks: BlockTensors, q
     dense = (policy.dense != "off" and (ws_rule or dense_rule)
              and kv_blocks.all_full(math.ceil(L / sparse_q), math.ceil(S / sparse_kv)))
     dkdv_tiles, dq_tiles = _tiles(opts, head_dim_max, itemsize, sparse_q, sparse_kv, not trivial or dense)
-    p_from_lse = policy.p_from_lse and itemsize == 2
-    exact_delta = policy.exact_delta and wants_captured_grads
+    p_from_lse, exact_delta = _row_rules(opts, itemsize, wants_captured_grads)
     gqa = Hq // Hkv
     # On the GPU only with 8-warp tiles for both kinds: at 4 warps triton 3.6 partitions the loops
     # and a forced run at head dim 64 gave NaN gradients (docs/decisions.md#backward-dense-path).
@@ -641,27 +655,24 @@ def backward_inline(q, k, v, out, row_stats, grad_out, grad_lse, score_lowered, 
     trivial = score_lowered.is_trivial
     dkdv_tiles, dq_tiles = _tiles(opts, max(pad_head_dim(D), pad_head_dim(Dv)), q.element_size(), sparse_q,
                                   sparse_kv, not trivial or dense)
-    choice = BackwardChoice(dense, (0, 0, 0, 0), False, False, False, policy.p_from_lse and q.element_size() == 2,
-                            policy.exact_delta and bool(score_bwd_lowered.grad_of), dkdv_tiles, dq_tiles,
+    choice = BackwardChoice(dense, (0, 0, 0, 0), False, False, False,
+                            *_row_rules(opts, q.element_size(), bool(score_bwd_lowered.grad_of)), dkdv_tiles,
+                            dq_tiles,
                             policy.fused == "on" and dkdv_tiles[2].get("num_warps") == dq_tiles[2].get("num_warps"))
     module = backward_module(score_lowered, score_bwd_lowered, mask_lowered)
-    fp64 = q.dtype == torch.float64
-    acc = torch.float64 if fp64 else torch.float32
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     delta = torch.empty((B, Hq, L), dtype=acc, device=q.device)
     lse2 = torch.empty((B, Hq, L), dtype=acc, device=q.device) if choice.p_from_lse else None
     grad_lse = _check_grad_lse(grad_lse, q, row_stats.dtype)
     row_stats = row_stats.contiguous()
     pre = module.flex_bwd_preprocess
-    pre_m = 64
-    pre_constexprs = dict(HEAD_DIM_V=Dv, HEAD_DIM_V_PAD=pad_head_dim(Dv), BLOCK_M=pre_m, ACC_FP64=fp64,
-                          P_FROM_LSE=choice.p_from_lse, HAS_GRAD_LSE=grad_lse is not None,
-                          DELTA_FROM_OUT=not choice.exact_delta)
+    pre_grid, pre_fixed, pre_constexprs = _preprocess_launch(out, grad_out, choice.p_from_lse, grad_lse is not None,
+                                                             not choice.exact_delta)
     for name, default in _constexpr_defaults(pre).items():
         pre_constexprs.setdefault(name, default)
-    wrap_triton(pre)[((L + pre_m - 1) // pre_m, B * Hq, 1)](
+    wrap_triton(pre)[(*pre_grid, 1)](
         out, grad_out, delta, row_stats, unread(dtype=acc) if lse2 is None else lse2,
-        unread(dtype=acc) if grad_lse is None else grad_lse, *out.stride(), *grad_out.stride(), B * Hq * L, L,
-        Hq, **pre_constexprs)
+        unread(dtype=acc) if grad_lse is None else grad_lse, *pre_fixed, **pre_constexprs)
 
     captured = score_lowered.captured
     grad_buffers, grad_args = _grad_buffers(captured, score_bwd_lowered.grad_of, opts.deterministic, q.device)
