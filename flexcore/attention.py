@@ -25,7 +25,7 @@ from flexcore.errors import InputError
 from flexcore.fp8 import FP8_DTYPE, check_fp8_inputs, fp8_options, key_major
 from flexcore.interop import coerce_block_mask
 from flexcore.options import KernelOptions
-from flexcore.sinks import apply_sinks, check_finite_sinks, check_sinks
+from flexcore.sinks import apply_sinks, check_finite_sinks, check_sinks, sink_gradient
 
 __all__ = ["flex_attention", "AuxRequest", "AuxOutput"]
 
@@ -217,13 +217,26 @@ def _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, opts) 
                   (_q_blocks(block_mask, B, Hq), math.ceil(key.shape[2] / sparse_kv))])
 
 
+def sinks_in_kernel(query, opts, descales=None, sinks=None) -> bool:
+    """Whether the forward kernel applies ``sinks`` in its epilogue (flexcore.kernels.forward.forward)
+    rather than flex_attention after the kernels (flexcore.sinks.apply_sinks): everywhere but the
+    decode kernel (short queries), and an FP8 call whose sinks want a gradient (the FP8 kernels
+    have no autograd node; the pass after them gives the sinks theirs)."""
+    if descales is not None:
+        return not (sinks is not None and sinks.requires_grad and torch.is_grad_enabled())
+    return not _decodes(query, opts)
+
+
 def forward_kernels(query, key, value, score_lowered, mask_lowered, blocks, scale, opts,
-                    want_max: bool = False, descales=None):
+                    want_max: bool = False, descales=None, sinks=None):
     """(out, lse, row_stats, max_scores) of the forward or the decode kernel. row_stats is None
     from decode (the backward derives it, :func:`decode_row_stats`); max_scores is None unless
     ``want_max``. ``descales``: the :class:`flexcore.fp8.Descales` of float8 inputs (the forward
-    kernel's FP8 path)."""
+    kernel's FP8 path). ``sinks``: (Hq,) logits that the forward kernel adds to each row's
+    denominator (only where :func:`sinks_in_kernel`)."""
     if _decodes(query, opts):
+        if sinks is not None:
+            raise ValueError("the decode kernel takes no sinks: flex_attention applies them after it")
         if want_max:
             out, lse, max_scores = _decode.decode(query, key, value, score_lowered, mask_lowered,
                                                   blocks, scale, opts, return_max_scores=True)
@@ -236,7 +249,7 @@ def forward_kernels(query, key, value, score_lowered, mask_lowered, blocks, scal
     if key.shape[0] != B:  # a shared (batch 1) cache is read through stride-0 views
         key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)
     out, lse, row_stats = _forward.forward(query, key, value, score_lowered, mask_lowered, blocks,
-                                           scale, opts, descales)
+                                           scale, opts, descales, sinks)
     return out, lse, row_stats, (_forward.max_scores(row_stats) if want_max else None)
 
 
@@ -253,36 +266,58 @@ def decode_row_stats(lse: Tensor, max_scores: Tensor | None) -> Tensor:
 
 
 def backward_kernels(query, key, value, out, row_stats, grad_out, grad_lse, score_lowered,
-                     score_bwd_lowered, mask_lowered, block_mask, blocks, scale, opts):
+                     score_bwd_lowered, mask_lowered, block_mask, blocks, scale, opts,
+                     return_delta: bool = False):
     """(dq, dk, dv, captured_grads) of flexcore.kernels.backward.backward (``blocks``: the
     forward's, ``kv_blocks(block_mask, B, Hq)``); a shared (batch 1) key/value cache gets its
-    gradient summed over the batch."""
+    gradient summed over the batch. ``return_delta``: also the rows' delta that the kernels
+    computed, rowsum(dO * O) - grad_lse (B, Hq, L)."""
     B, Hq = query.shape[:2]
     shared = key.shape[0] != B
-    dq, dk, dv, captured_grads = _backward.backward(
+    dq, dk, dv, captured_grads, *delta = _backward.backward(
         query, key.expand(B, -1, -1, -1) if shared else key,
         value.expand(B, -1, -1, -1) if shared else value, out, row_stats, grad_out, score_lowered,
         score_bwd_lowered, mask_lowered, blocks, _q_blocks(block_mask, B, Hq), scale, opts,
-        grad_lse=grad_lse)
+        grad_lse=grad_lse, return_delta=return_delta)
     if shared:
         dk, dv = dk.sum(0, keepdim=True), dv.sum(0, keepdim=True)
-    return dq, dk, dv, captured_grads
+    return (dq, dk, dv, captured_grads, *delta)
+
+
+def row_delta_kernels(query, key, value, out, row_stats, grad_out, grad_lse, score_lowered,
+                      score_bwd_lowered, mask_lowered, block_mask, blocks, scale, opts):
+    """The rows' delta of :func:`backward_kernels` alone (flexcore.kernels.backward.row_deltas),
+    for a backward that wants no other gradient."""
+    B, Hq = query.shape[:2]
+    if key.shape[0] != B:
+        key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)
+    return _backward.row_deltas(query, key, value, out, row_stats, grad_out, score_lowered, score_bwd_lowered,
+                                mask_lowered, blocks, _q_blocks(block_mask, B, Hq), scale, opts, grad_lse)
 
 
 class _FlexAttention(torch.autograd.Function):
     """Forward (or decode) kernel; fused backward kernels, differentiating out and lse. Captured
-    tensors of the score_mod are inputs of ``apply`` so that autograd routes their gradients."""
+    tensors of the score_mod are inputs of ``apply`` so that autograd routes their gradients.
+    ``sinks`` (or None) are applied by the forward kernel's epilogue (:func:`sinks_in_kernel`):
+    its out and lse include them, and so do the row statistics, so the backward kernels need no
+    change; the sinks' own gradient is a reduction over the rows' delta (flexcore.sinks)."""
+
+    # Inputs before the captured tensors, and the position of ``sinks`` among them.
+    N_INPUTS = 10
+    SINKS_INPUT = 9
 
     @staticmethod
     def forward(ctx, query, key, value, call, block_mask, blocks, score_mod, score_lowered,
-                mask_lowered, *captured):
+                mask_lowered, sinks, *captured):
         out, lse, row_stats, max_scores = forward_kernels(query, key, value, score_lowered,
                                                           mask_lowered, blocks, call.scale,
-                                                          call.opts, call.want_max)
+                                                          call.opts, call.want_max, sinks=sinks)
         if row_stats is None:  # the decode kernel keeps lse (and the row max): derived later
-            ctx.save_for_backward(query, key, value, out, lse, max_scores)
+            ctx.save_for_backward(query, key, value, out, None, lse, max_scores, None)
+        elif sinks is not None:  # the sinks' gradient reads lse (p_sink = exp(sink - lse))
+            ctx.save_for_backward(query, key, value, out, row_stats, lse, None, sinks)
         else:
-            ctx.save_for_backward(query, key, value, out, row_stats)
+            ctx.save_for_backward(query, key, value, out, row_stats, None, None, None)
         ctx.call, ctx.block_mask, ctx.blocks, ctx.score_mod = call, block_mask, blocks, score_mod
         ctx.score_lowered, ctx.mask_lowered = score_lowered, mask_lowered
         if max_scores is not None:
@@ -294,19 +329,32 @@ class _FlexAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, _grad_max):
-        n_inputs = 9 + len(ctx.score_lowered.captured)
+        n_captured = len(ctx.score_lowered.captured)
         if grad_out is None and grad_lse is None:
-            return (None,) * n_inputs
-        query, key, value, out, *stats = ctx.saved_tensors
-        row_stats = stats[0] if len(stats) == 1 else decode_row_stats(*stats)
+            return (None,) * (_FlexAttention.N_INPUTS + n_captured)
+        query, key, value, out, row_stats, lse, max_scores, sinks = ctx.saved_tensors
+        if row_stats is None:
+            row_stats = decode_row_stats(lse, max_scores)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
+        needs = ctx.needs_input_grad
+        want_sinks = sinks is not None and needs[_FlexAttention.SINKS_INPUT]
+        dq = dk = dv = grad_sinks = None
+        captured_grads = [None] * n_captured
         call = ctx.call
         score_bwd = _score_backward(ctx.score_mod, ctx.score_lowered, call.score_dtype)
-        dq, dk, dv, captured_grads = backward_kernels(
-            query, key, value, out, row_stats, grad_out, grad_lse, ctx.score_lowered, score_bwd,
-            ctx.mask_lowered, ctx.block_mask, ctx.blocks, call.scale, call.opts)
-        return (dq, dk, dv, *(None,) * 6, *captured_grads)
+        if any(needs[:3]) or any(needs[_FlexAttention.N_INPUTS:]):
+            dq, dk, dv, captured_grads, *delta = backward_kernels(
+                query, key, value, out, row_stats, grad_out, grad_lse, ctx.score_lowered, score_bwd,
+                ctx.mask_lowered, ctx.block_mask, ctx.blocks, call.scale, call.opts,
+                return_delta=want_sinks)
+        elif want_sinks:  # only the sinks learn: the delta alone, no gradient kernel
+            delta = [row_delta_kernels(query, key, value, out, row_stats, grad_out, grad_lse, ctx.score_lowered,
+                                       score_bwd, ctx.mask_lowered, ctx.block_mask, ctx.blocks, call.scale,
+                                       call.opts)]
+        if want_sinks:
+            grad_sinks = sink_gradient(lse, sinks, delta[0])
+        return (dq, dk, dv, *(None,) * 6, grad_sinks, *captured_grads)
 
 
 # Lowered score_mod gradients per lowered score_mod (the lowering returns the same LoweredMod
@@ -403,8 +451,10 @@ def _prepared(query, key, value, block_mask, scale, enable_gqa, kernel_options, 
 
 
 def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max,
-           descales=None):
-    """(out, lse, max_scores) of an eager call (``descales``: FP8 inputs' flexcore.fp8.Descales)."""
+           descales=None, sinks=None):
+    """(out, lse, max_scores, sinks applied) of an eager call (``descales``: FP8 inputs'
+    flexcore.fp8.Descales). ``sinks`` are applied by the forward kernel where
+    :func:`sinks_in_kernel`; the last item says whether they were (else the caller applies them)."""
     ready()
     if score_mod is not None and not callable(score_mod):
         raise InputError(f"score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
@@ -418,27 +468,35 @@ def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     mask_lowered = _lowering.lower_mask_mod(block_mask.mask_mod)
     check_indices(score_lowered, mask_lowered, call.B, call.Hq, query.shape[2], key.shape[2], call.opts)
     blocks = kv_blocks(block_mask, call.B, call.Hq)
+    if sinks is not None and not sinks_in_kernel(query, call.opts, descales, sinks):
+        sinks = None
+    applied = sinks is not None
     if descales is not None:
         _check_forward_only(query, key, value, descales, score_lowered)
         out, lse, _, max_scores = forward_kernels(query, key, value, score_lowered, mask_lowered,
-                                                  blocks, call.scale, call.opts, want_max, descales)
-        return out, lse, max_scores
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad
-                                    or any(t.requires_grad for t in score_lowered.captured)):
-        if not call.prefetched:
-            _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, call.opts)
-            call.prefetched = True
-        return _FlexAttention.apply(query, key, value, call, block_mask, blocks, score_mod,
-                                    score_lowered, mask_lowered, *score_lowered.captured)
+                                                  blocks, call.scale, call.opts, want_max, descales,
+                                                  sinks)
+        return out, lse, max_scores, applied
+    if torch.is_grad_enabled():
+        kernel_grads = (query.requires_grad or key.requires_grad or value.requires_grad
+                        or any(t.requires_grad for t in score_lowered.captured))
+        if kernel_grads or (applied and sinks.requires_grad):
+            if kernel_grads and not call.prefetched:
+                _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, call.opts)
+                call.prefetched = True
+            return (*_FlexAttention.apply(query, key, value, call, block_mask, blocks, score_mod,
+                                          score_lowered, mask_lowered, sinks, *score_lowered.captured),
+                    applied)
     # Inference (decoding steps above all): no autograd node, no saved tensors.
     out, lse, _, max_scores = forward_kernels(query, key, value, score_lowered, mask_lowered,
-                                              blocks, call.scale, call.opts, want_max)
-    return out, lse, max_scores
+                                              blocks, call.scale, call.opts, want_max, sinks=sinks)
+    return out, lse, max_scores, applied
 
 
 def _check_forward_only(query, key, value, descales, score_lowered) -> None:
     """InputError where autograd would want gradients through an FP8 call: its kernels have no
-    backward (the sinks' gradient needs none: flexcore.sinks differentiates out and lse)."""
+    backward (the sinks' gradient needs none: flexcore.sinks differentiates out and lse, applied
+    after the kernels there, see sinks_in_kernel)."""
     if not torch.is_grad_enabled():
         return
     named = [("query", query), ("key", key), ("value", value), ("descale_q", descales.q),
@@ -568,11 +626,13 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
                                                            scale, enable_gqa, kernel_options, want_max)
     else:
         block_mask = coerce_block_mask(block_mask)  # a torch BlockMask, converted once
-        out, lse, max_scores = _eager(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                                      kernel_options, want_max, descales)
+        out, lse, max_scores, applied = _eager(query, key, value, score_mod, block_mask, scale,
+                                               enable_gqa, kernel_options, want_max, descales, sinks)
+        if applied:  # the forward kernel's epilogue took the sinks in (sinks_in_kernel)
+            sinks = None
     if sinks is not None:
-        # After the kernels, from their (out, lse): exact, the same for every kernel path, and
-        # differentiated by autograd through the kernels' differentiable lse (flexcore.sinks).
+        # Compiled calls, the decode kernel and FP8 calls whose sinks learn: after the kernels,
+        # from their (out, lse), differentiated by autograd through the kernels' lse (flexcore.sinks).
         out, lse = apply_sinks(out, lse, sinks)
     if return_aux is not None:
         return out, AuxOutput(lse=lse if want_lse else None,

@@ -3,11 +3,18 @@ head that joins every row's softmax denominator without a value.
 
     out = Σ_j exp(s_j - m) v_j / (Σ_j exp(s_j - m) + exp(sink[h] - m)),   lse' = logaddexp(lse, sink[h])
 
-flex_attention applies them after the kernels, from the kernels' own (out, lse):
-``out' = out · exp(lse - lse') = out · sigmoid(lse - sink)``. That is exact, serves every kernel
-path alike (forward, decode, Gluon, paged caches, compiled calls), and, being torch ops on a
-differentiable (out, lse), gets the sink's gradient and the q/k/v gradients from autograd:
-dL/dsink[h] = -Σ_rows p_sink · (Σ_d dO'·O' - dL/dlse'), with p_sink = exp(sink - lse').
+Eager calls of the forward kernels (the Triton template and the Gluon forwards) add the sink to
+each row's denominator in their epilogue (flexcore.kernels.forward.forward), so their out, lse and
+row statistics include it and the backward kernels run unchanged; the sink's gradient is
+
+    dL/dsink[h] = -Σ_rows p_sink · (Σ_d dO'·O' - dL/dlse'),   p_sink = exp(sink - lse'),
+
+a reduction over the rows' delta (:func:`sink_gradient`), which the backward kernels compute as
+rowsum(P · dP) from their own probabilities: equal in exact arithmetic (the sink column has no
+value), without the 16-bit output's rounding that this sum over every row would add up.
+Elsewhere (the decode kernel, compiled calls, FP8 calls whose sinks learn) flex_attention applies
+them after the kernels, from their own (out, lse), with torch ops that autograd differentiates
+(:func:`apply_sinks`): ``out' = out · exp(lse - lse') = out · sigmoid(lse - sink)``.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ from torch import Tensor
 
 from flexcore.errors import InputError
 
-__all__ = ["check_sinks", "apply_sinks"]
+__all__ = ["check_sinks", "apply_sinks", "sink_gradient"]
 
 SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -77,3 +84,11 @@ def apply_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor
     # Without autograd, out is the kernels' own new tensor: scaled in place (computed in weight's
     # dtype, rounded once), one read and one write instead of a float32 temporary.
     return out.mul_(weight), lse_sink
+
+
+def sink_gradient(lse: Tensor, sinks: Tensor, delta: Tensor) -> Tensor:
+    """dL/dsinks (Hq,) in sinks' dtype from the forward's lse (with the sinks in) and the rows'
+    delta = rowsum(dO * O) - dL/dlse (B, Hq, L): -Σ_{b,l} exp(sink[h] - lse) · delta. A sum of
+    torch reductions, so deterministic."""
+    p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)
+    return -(p_sink * delta.to(lse.dtype)).sum(dim=(0, 2)).to(sinks.dtype)

@@ -3,8 +3,8 @@
 The preprocessing kernel computes delta = rowsum(dO * O) - grad_lse (the lse's gradient, when the
 loss reads the lse: d lse_i / d s_ij = P_ij, so dS = P * (dP - delta) takes it whole); then
 ``flex_bwd_kernel`` runs its dK/dV programs and its dQ programs, in one launch or two (see
-the policy's ``backward.fused``). Where gradients of captured tensors are wanted, a launch of the dQ programs'
-grid first recomputes delta as rowsum(P * dP) - grad_lse from the backward's own probabilities
+the policy's ``backward.fused``). Where gradients of captured tensors or of sinks are wanted, a launch of the
+dQ programs' grid first recomputes delta as rowsum(P * dP) - grad_lse from the backward's own probabilities
 (the policy's ``backward.exact_delta``). float64 inputs are computed in float64 throughout (see
 ``flexcore.kernels.forward.scale_args``).
 
@@ -98,9 +98,11 @@ _FINE_DQ_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 #   reading every tile through descriptors over all rows; they need 16-bit inputs (lse2), no GQA,
 #   sequences that divide the tiles, layouts that such descriptors can read, no captured tensors
 #   and, on the GPU, 8-warp tiles for both kinds of program (docs/decisions.md#dense-warp-specialization).
-# - exact_delta: where captured tensors want gradients, delta = rowsum(P * dP) by an extra pass over
-#   the dQ programs' grid: rowsum(dO * O) carries the forward's 16-bit rounding, which a one-signed
-#   mod derivative (an ALiBi slope's |i - j|) adds up (docs/decisions.md#exact-delta).
+# - exact_delta: where captured tensors or sinks want gradients, delta = rowsum(P * dP) by an extra
+#   pass over the dQ programs' grid: rowsum(dO * O) carries the forward's 16-bit rounding, which a
+#   one-signed mod derivative (an ALiBi slope's |i - j|) or a sink's p_sink adds up over the rows
+#   (docs/decisions.md#exact-delta). The Gluon backward has no such pass: sinks that learn take
+#   the template.
 # - fused, fused_head_dims: one launch for both kinds of program, timed against two per kernel
 #   and size bucket (_tune_layout).
 # Kernels (module, tiles, constexprs) whose single launch ran out of shared memory: they run as two.
@@ -187,7 +189,7 @@ def uses_runs(head_dim_pad: int, score_is_trivial: bool, opts: KernelOptions | N
 
 def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
              kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
-             grad_lse=None):
+             grad_lse=None, return_delta: bool = False):
     """Gradients of flex_attention's output (and lse) with respect to q, k, v and the score_mod's
     captures.
 
@@ -207,17 +209,33 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
             d lse_i / d s_ij = P_ij, it enters as dS = P * (dP - (delta - grad_lse)). Rows
             without a kept key (lse = -inf) get no gradient from it (their P is 0). InputError
             where it is not a floating-point tensor of that shape on q's device.
+        return_delta: also return the rows' delta, rowsum(dO * O) - grad_lse (B, Hq, L) in the
+            row statistics' dtype, which the kernels computed (a sink's gradient reads it). Where
+            the policy's ``backward.exact_delta`` is on, it is computed as rowsum(P * dP) - grad_lse
+            from the backward's own probabilities (the pass that captured tensors' gradients take,
+            run by the Triton template: the Gluon kernels have none), equal to it in exact arithmetic.
 
     Returns:
         (dq, dk, dv, captured_grads): dq, dk, dv in the dtypes and shapes of q, k, v;
         ``captured_grads[i]`` is the gradient of ``score_lowered.captured[i]`` (same shape and
-        dtype), or None where that tensor does not require grad.
+        dtype), or None where that tensor does not require grad. With ``return_delta``,
+        (dq, dk, dv, captured_grads, delta).
     """
+    result = _gradients(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
+                        kv_blocks, q_blocks, scale, opts, grad_lse, return_delta)
+    return result if return_delta else result[:4]
+
+
+def _gradients(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
+               kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
+               grad_lse=None, delta_wanted: bool = False):
+    """backward's (dq, dk, dv, captured_grads, delta), through a plan where one is kept;
+    ``delta_wanted``: the caller reads delta (backward's ``return_delta``)."""
     row_stats = row_stats.contiguous()
     grad_lse = _check_grad_lse(grad_lse, q, row_stats.dtype)
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
     key = _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
-                    kv_blocks, q_blocks, scale, opts, caps, grad_lse)
+                    kv_blocks, q_blocks, scale, opts, caps, grad_lse, delta_wanted)
     if key is not None:
         plan = get_plan(key)
         if plan is not None:  # it holds the tables that finer_tables chose (the key has what it read)
@@ -234,11 +252,11 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         kv_blocks, q_blocks = fine
     if key is None:
         return _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered,
-                         mask_lowered, kv_blocks, q_blocks, scale, opts, caps, grad_lse)[0]
+                         mask_lowered, kv_blocks, q_blocks, scale, opts, caps, grad_lse, delta_wanted)[0]
     with recording() as record:
         result, (make_plan, count) = _backward(q, k, v, out, row_stats, grad_out, score_lowered,
                                                score_bwd_lowered, mask_lowered, kv_blocks, q_blocks, scale,
-                                               opts, caps, grad_lse)
+                                               opts, caps, grad_lse, delta_wanted)
     launches = direct_launches(record, count)
     if launches is not None:
         keep_plan(key, make_plan(launches), owners)
@@ -262,12 +280,13 @@ def _check_grad_lse(grad_lse, q, stats_dtype):
 
 
 def _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
-              kv_blocks, q_blocks, scale, opts, caps, grad_lse=None):
+              kv_blocks, q_blocks, scale, opts, caps, grad_lse=None, delta_wanted: bool = False):
     """Everything the backward's host decisions read besides the tables' statistics (fixed for
     the tables) and the layout tuner's choice (fixed once made): see flexcore.kernels.launch's
     per-call plans. None where plans are off. The mods count by their sources and traits, as in
     the forward's key. A given ``grad_lse`` (HAS_GRAD_LSE) keys apart from None, with its
-    alignment; its values are read at each call."""
+    alignment; its values are read at each call. ``delta_wanted`` (a sink's gradient) may add
+    the exact-delta pass."""
     return plan_key(
         opts.dispatch.launch, "backward", score_lowered.source, score_bwd_lowered.source, mask_lowered.source,
         score_lowered.is_trivial, bool(score_lowered.captured), score_bwd_lowered.grad_of,
@@ -278,7 +297,7 @@ def _plan_key(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
         q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, out.data_ptr() & 15,
         grad_out.data_ptr() & 15, row_stats.data_ptr() & 15, scale, opts,
         arg_key(caps) if caps else (), refine_key(mask_lowered),
-        None if grad_lse is None else grad_lse.data_ptr() & 15)
+        None if grad_lse is None else grad_lse.data_ptr() & 15, delta_wanted)
 
 
 def _grad_buffers(captured, grad_of, deterministic: bool, device) -> tuple[dict, list]:
@@ -342,7 +361,7 @@ class _BackwardPlan:
         args = (q, k, v, grad_out, dq, dk, dv, row_stats, delta, *self.fixed, *caps, *grad_args)
         for entry, grid in self.launches:
             entry.launch(grid, args)
-        return dq, dk, dv, _captured_grads(captured, grad_buffers, deterministic)
+        return dq, dk, dv, _captured_grads(captured, grad_buffers, deterministic), delta
 
 
 def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool, grad_lse=None, delta_from_out=True,
@@ -375,20 +394,28 @@ def _preprocess_launch(out, grad_out, p_from_lse: bool, has_grad_lse: bool, delt
     return (math.ceil(L / block_m), B * Hq), fixed, constexprs
 
 
-def _row_rules(opts: KernelOptions, itemsize: int, wants_captured_grads: bool) -> tuple[bool, bool]:
+def _row_rules(opts: KernelOptions, itemsize: int, sums_delta: bool) -> tuple[bool, bool]:
     """(p_from_lse, exact_delta): the policy's backward rules for the rows' statistics, which
-    read the input's element size and whether captured tensors want gradients alone."""
+    read the input's element size and whether a gradient sums the rows' delta one-signed."""
     policy = opts.dispatch.backward
-    return policy.p_from_lse and itemsize == 2, policy.exact_delta and wants_captured_grads
+    return policy.p_from_lse and itemsize == 2, policy.exact_delta and sums_delta
 
 
 def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
                      kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
-                     caps: tuple, grad_lse=None):
+                     caps: tuple, grad_lse=None, exact_delta: bool = False):
     """backward's result and plan parts (as _backward's) from flexcore.kernels.hopper's Gluon kernels,
-    or None where they do not serve the call (see hopper.applies_backward) or fail to build for this
-    mask_mod."""
+    or None where they do not serve the call (see hopper.applies_backward), fail to build for this
+    mask_mod, or ``exact_delta`` is wanted (they have no pass that computes it; InputError where
+    the policy forces them)."""
     if not hopper.backward_may_apply(q, opts):
+        return None
+    if exact_delta:
+        if opts.dispatch.gluon.backward == "on":
+            raise InputError("the Gluon backward kernels were required (policy.gluon.backward='on') but "
+                             "cannot serve this call: the sinks want a gradient, whose delta = rowsum(P * dP) "
+                             "only the Triton template computes (policy.backward.exact_delta); use "
+                             "gluon.backward='auto', or backward.exact_delta=False to read delta from the output")
         return None
     L, S = q.shape[2], k.shape[2]
     sparse_q, sparse_kv = kv_blocks.sparse_block
@@ -409,7 +436,7 @@ def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd
     if grads is None:
         return None
     _log.debug("backward: Gluon kernels (dense=%s, head dim %d, %s)", dense, q.shape[3], q.dtype)
-    result = (*grads, _captured_grads(score_lowered.captured, {}, opts.deterministic))
+    result = (*grads, _captured_grads(score_lowered.captured, {}, opts.deterministic), row_terms[0])
     return result, (lambda entries: _HopperBackwardPlan(entries, pre_fixed, launches, row_terms.shape,
                                                         row_terms.dtype), 3)
 
@@ -432,7 +459,7 @@ class _HopperBackwardPlan:
         entry.launch(grid, (out, grad_out, row_terms[0], row_stats, row_terms[1],
                             row_terms[0] if grad_lse is None else grad_lse, *self.pre_fixed))
         grads = self.gluon.replay(self.launches, q, k, v, grad_out, row_terms[1], row_terms[0], caps)
-        return (*grads, _captured_grads(captured, {}, deterministic))
+        return (*grads, _captured_grads(captured, {}, deterministic), row_terms[0])
 
 
 class BackwardChoice(NamedTuple):
@@ -451,8 +478,9 @@ class BackwardChoice(NamedTuple):
 
 
 def template_choice(q, k, v, grad_out, score_lowered, kv_blocks: BlockTensors, q_blocks: BlockTensors,
-                    opts: KernelOptions, wants_captured_grads: bool) -> BackwardChoice:
-    """The Triton backward template's paths, descriptors and tiles for the call (no launch)."""
+                    opts: KernelOptions, sums_delta: bool) -> BackwardChoice:
+    """The Triton backward template's paths, descriptors and tiles for the call (no launch).
+    ``sums_delta``: a gradient sums the rows' delta one-signed (captured tensors' or sinks')."""
     policy = opts.dispatch.backward
     L, D = q.shape[2], q.shape[3]
     Hq, Hkv, S, Dv = q.shape[1], k.shape[1], k.shape[2], v.shape[3]
@@ -470,7 +498,7 @@ def template_choice(q, k, v, grad_out, score_lowered, kv_blocks: BlockTensors, q
     dense = (policy.dense != "off" and (ws_rule or dense_rule)
              and kv_blocks.all_full(math.ceil(L / sparse_q), math.ceil(S / sparse_kv)))
     dkdv_tiles, dq_tiles = _tiles(opts, head_dim_max, itemsize, sparse_q, sparse_kv, not trivial or dense)
-    p_from_lse, exact_delta = _row_rules(opts, itemsize, wants_captured_grads)
+    p_from_lse, exact_delta = _row_rules(opts, itemsize, sums_delta)
     gqa = Hq // Hkv
     # On the GPU only with 8-warp tiles for both kinds: at 4 warps triton 3.6 partitions the loops
     # and a forced run at head dim 64 gave NaN gradients (docs/decisions.md#backward-dense-path).
@@ -531,14 +559,56 @@ def _template_args(q, k, v, grad_out, dq, dk, dv, row_stats, delta, kv_blocks: B
     return args, fixed, constexprs
 
 
+def _delta_pass(kernel, args: tuple, common: dict, choice: BackwardChoice, q, k, opts: KernelOptions) -> None:
+    """The exact-delta pass: delta = rowsum(P * dP) - grad_lse over the dQ programs' grid (PHASE 3),
+    before the other phases; ``args`` and ``common`` from :func:`_template_args`."""
+    B, Hq, L = q.shape[:3]
+    Hkv = k.shape[1]
+    tile_m, tile_n, meta = choice.dq_tiles
+    launch(kernel, lambda bm, bn: (Hq // Hkv * math.ceil(L / bm), B * Hkv), args, tile_m, tile_n, meta,
+           dict(PHASE=3, DKDV_BLOCK_M=16, DKDV_BLOCK_N=16, **common), pinned=opts.pins_tiles,
+           tile_names=("DQ_BLOCK_M", "DQ_BLOCK_N"), policy=opts.dispatch.launch)
+
+
+def row_deltas(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
+               kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
+               grad_lse=None):
+    """The rows' delta of :func:`backward` (``return_delta``) without its gradients, for a call
+    that wants no other (sinks that learn while q, k, v and the captures are frozen): the
+    preprocessing, then, with the policy's ``backward.exact_delta``, the pass that computes it as
+    rowsum(P * dP) - grad_lse (B, Hq, L). Over the mask's own tables; no plan is kept."""
+    row_stats = row_stats.contiguous()
+    grad_lse = _check_grad_lse(grad_lse, q, row_stats.dtype)
+    module = backward_module(score_lowered, score_bwd_lowered, mask_lowered)
+    choice = template_choice(q, k, v, grad_out, score_lowered, kv_blocks, q_blocks, opts, True)
+    row_terms, _ = _preprocess(module, out, grad_out, row_stats, choice.p_from_lse, grad_lse,
+                               delta_from_out=not choice.exact_delta, opts=opts)
+    delta = row_terms[0]
+    if choice.exact_delta:
+        caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
+        _, grad_args = _grad_buffers(score_lowered.captured, score_bwd_lowered.grad_of, opts.deterministic,
+                                     q.device)
+        # The pass writes delta alone: q, k and v stand in for the gradients' pointers.
+        stats = row_terms[1] if choice.p_from_lse else row_stats
+        args, _, common = _template_args(q, k, v, grad_out, q, k, v, stats, delta, kv_blocks, q_blocks, scale,
+                                         opts, score_lowered, caps, grad_args, choice)
+        _delta_pass(module.flex_bwd_kernel, args, common, choice, q, k, opts)
+    return delta
+
+
 def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
               kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
-              caps: tuple, grad_lse=None):
-    """backward's decisions and launches: (the result, (a function of the launches that ran,
-    recorded, to the plan that repeats them, the number of launches that ran)). The Gluon kernels of
-    flexcore.kernels.hopper serve the call where they apply."""
+              caps: tuple, grad_lse=None, delta_wanted: bool = False):
+    """backward's decisions and launches: (the result (dq, dk, dv, captured_grads, delta), (a
+    function of the launches that ran, recorded, to the plan that repeats them, the number of
+    launches that ran)). The Gluon kernels of flexcore.kernels.hopper serve the call where they
+    apply, but not where the caller reads delta with the exact-delta pass on."""
+    # A sink's gradient, -sum over rows of p_sink * delta, adds up rowsum(dO * O)'s rounding of the
+    # 16-bit output as a captured tensor's does: delta from the backward's own P and dP instead.
+    exact_wanted = opts.dispatch.backward.exact_delta and delta_wanted
     hopper_result = _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered,
-                                     mask_lowered, kv_blocks, q_blocks, scale, opts, caps, grad_lse)
+                                     mask_lowered, kv_blocks, q_blocks, scale, opts, caps, grad_lse,
+                                     exact_wanted)
     if hopper_result is not None:
         return hopper_result
     B, Hq, L, D = q.shape
@@ -551,7 +621,7 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     policy = opts.dispatch
     captured = score_lowered.captured
     choice = template_choice(q, k, v, grad_out, score_lowered, kv_blocks, q_blocks, opts,
-                             bool(score_bwd_lowered.grad_of))
+                             bool(score_bwd_lowered.grad_of) or delta_wanted)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("backward: Triton template, tables %s, dense=%s warp_spec=%s tma=%s full_runs=(%s, %s) "
                    "p_from_lse=%s exact_delta=%s tiles dK/dV %s dQ %s", kv_blocks.sparse_block, choice.dense,
@@ -577,10 +647,8 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
                                          scale, opts, score_lowered, caps, grad_args, choice)
     kernel = module.flex_bwd_kernel
     launching = policy.launch
-    if exact_delta:  # delta = rowsum(P * dP), over the dQ programs' grid, before the other phases
-        launch(kernel, lambda bm, bn: (gqa * math.ceil(L / bm), B * Hkv), args, bm2, bn2, meta2,
-               dict(PHASE=3, DKDV_BLOCK_M=16, DKDV_BLOCK_N=16, **common), pinned=pinned,
-               tile_names=("DQ_BLOCK_M", "DQ_BLOCK_N"), policy=launching)
+    if exact_delta:
+        _delta_pass(kernel, args, common, choice, q, k, opts)
 
     def run_split():
         launch(kernel, lambda bm, bn: (math.ceil(S / bn), B * Hkv), args, bm1, bn1, meta1,
@@ -619,7 +687,7 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     ran_fused = bool(fused) and run_fused()
     if not ran_fused:
         run_split()
-    result = (dq, dk, dv, _captured_grads(captured, grad_buffers, opts.deterministic))
+    result = (dq, dk, dv, _captured_grads(captured, grad_buffers, opts.deterministic), delta)
     return result, (lambda launches: _BackwardPlan(launches, pre_fixed, fixed, row_terms.shape, row_terms.dtype,
                                                    p_from_lse), (2 if ran_fused else 3) + exact_delta)
 

@@ -350,12 +350,14 @@ def refined(blocks: BlockTensors, q, k, v, score_lowered, mask_lowered, scale: f
 
 
 def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,
-            opts: KernelOptions, descales=None):
+            opts: KernelOptions, descales=None, sinks=None):
     """Run the forward kernel.
 
     Args:
         descales: a :class:`flexcore.fp8.Descales` for float8_e4m3fn q, k, v (None otherwise):
             the FP8 path, whose output is bfloat16; V is read key-major (flexcore.fp8.key_major).
+        sinks: (Hq,) floating tensor on q's device, one finite logit per query head, or None:
+            each joins its rows' softmax denominator in the kernels' epilogue (flexcore.sinks).
 
     Returns:
         out (B, Hq, L, Dv) in q's dtype (bfloat16 for FP8) and q's stride order (as torch's
@@ -363,22 +365,28 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         throughout), natural log, -inf on rows without a kept key and +inf on rows with a +inf score; row_stats
         (2, B, Hq, L) of lse's dtype: the row max of the modded, masked scores in log2 units
         (:func:`max_scores` gives it in natural units) and 1/(row sum of exp2(s - max)), which the
-        backward recomputes probabilities from.
+        backward recomputes probabilities from. With ``sinks``: lse includes the sink
+        (``logaddexp(lse_of_scores, sinks[h])``), the row max stays the scores' own, and the
+        second row is 2^(max - m')/l' (m' the larger of the row max and the sink in log2 units, l'
+        the row sum with the sink, both relative to m'), so that exp2(s - max) times it is each
+        key's probability with the sink in (the backward kernels need no change).
     """
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
     if descales is not None:
         v = key_major(v)
-    key = _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps, descales)
+    if sinks is not None and sinks.stride(0) != 1:  # the kernels read sinks[h] at SINKS + h
+        sinks = sinks.contiguous()
+    key = _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps, descales, sinks)
     if key is None:
         used = refined(blocks, q, k, v, score_lowered, mask_lowered, scale, opts)
-        return _forward(q, k, v, score_lowered, mask_lowered, used, scale, opts, caps, descales)[0]
+        return _forward(q, k, v, score_lowered, mask_lowered, used, scale, opts, caps, descales, sinks)[0]
     plan = get_plan(key)
     if plan is not None:  # it holds the tables that refined chose (the key has what it read)
-        return plan(q, k, v, caps, descales)
+        return plan(q, k, v, caps, descales, sinks)
     used = refined(blocks, q, k, v, score_lowered, mask_lowered, scale, opts)
     with recording() as record:
         result, fixed, kv_desc = _forward(q, k, v, score_lowered, mask_lowered, used, scale, opts, caps,
-                                          descales)
+                                          descales, sinks)
     if fixed is None:  # a Gluon kernel served the call: a repeated call goes straight to it
         keep_plan(key, _HopperPlan(scale, kv_desc), (blocks,))
         return result
@@ -388,18 +396,20 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
     return result
 
 
-def _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps, descales=None):
+def _plan_key(q, k, v, score_lowered, mask_lowered, blocks, scale, opts, caps, descales=None, sinks=None):
     """Everything the forward's host decisions read besides the mask tables' statistics (fixed
     for ``blocks``): see flexcore.kernels.launch's per-call plans. None where plans are off. The
     mods count by their sources and traits, not their captured tensors (which each call passes):
-    a key never keeps a tensor alive. ``opts`` carries the dispatch policy."""
+    a key never keeps a tensor alive; nor do the sinks, keyed by dtype and alignment (each call
+    passes its own). ``opts`` carries the dispatch policy."""
     return plan_key(
         opts.dispatch.launch, "forward", score_lowered.source, mask_lowered.source, score_lowered.is_trivial,
         bool(score_lowered.captured), id(blocks), q.device, q.dtype, k.dtype, v.dtype,
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(),
         q.data_ptr() & 15, k.data_ptr() & 15, v.data_ptr() & 15, scale, opts,
         arg_key(caps) if caps else (), refine_key(mask_lowered),
-        None if descales is None else (descales.layout, arg_key(descales[:3])))
+        None if descales is None else (descales.layout, arg_key(descales[:3])),
+        None if sinks is None else arg_key((sinks,)))
 
 
 class _ForwardPlan:
@@ -417,7 +427,7 @@ class _ForwardPlan:
         self.out_strides = out.stride()  # q's stride order; q's strides are in the plan's key
         self.acc_dtype, self.out_dtype = lse.dtype, out.dtype
 
-    def __call__(self, q, k, v, caps, descales=None):
+    def __call__(self, q, k, v, caps, descales=None, sinks=None):
         device = q.device
         out = torch.empty_strided(self.out_shape, self.out_strides, dtype=self.out_dtype, device=device)
         lse = torch.empty(self.lse_shape, dtype=self.acc_dtype, device=device)
@@ -427,7 +437,8 @@ class _ForwardPlan:
             k, v = _rows_descriptor(k, k_rows, block_n), _rows_descriptor(v, v_rows, block_n)
         ensure_tma_allocator()  # per thread; cheap where set (use_tma set it on the first call)
         scales = (lse, lse, lse) if descales is None else descales[:3]
-        self.entry.launch(self.grid, (q, k, v, out, lse, row_stats, *scales, *self.fixed, *caps))
+        self.entry.launch(self.grid, (q, k, v, out, lse, row_stats, *scales, lse if sinks is None else sinks,
+                                      *self.fixed, *caps))
         return out, lse, row_stats
 
 
@@ -441,10 +452,10 @@ class _HopperPlan:
         self.scale = scale
         self.masked = masked  # the masked kernel's launch with the mask's tables, or None (dense)
 
-    def __call__(self, q, k, v, caps, descales=None):
+    def __call__(self, q, k, v, caps, descales=None, sinks=None):
         if self.masked is not None:
-            return self.masked(q, k, v, caps=caps)
-        return hopper.forward(q, k, v, self.scale)
+            return self.masked(q, k, v, caps=caps, sinks=sinks)
+        return hopper.forward(q, k, v, self.scale, sinks)
 
 
 class TemplateChoice(NamedTuple):
@@ -515,29 +526,30 @@ def template_choice(q, k, v, score_lowered, module, blocks: BlockTensors, dense:
 
 
 def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: float,
-             opts: KernelOptions, caps: tuple, descales=None):
+             opts: KernelOptions, caps: tuple, descales=None, sinks=None):
     """forward's decisions and launch: ((out, lse, row_stats), the integer arguments between the
     tensors and the captures, ((K rows, V rows), BLOCK_N) of host descriptors or None). Where
     flexcore.kernels.hopper serves the call: (its result, None, None for the dense kernel or the
-    masked kernel's launch with the mask's tables bound)."""
+    masked kernel's launch with the mask's tables bound). ``sinks``: see :func:`forward`."""
     B, Hq, L, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
     sparse_q = blocks.sparse_block[0]
     dense = is_dense(blocks, L, S, opts)
     gluon = gluon_choice(q, k, v, score_lowered, mask_lowered, blocks, dense, scale, opts)
+    sink_note = "" if sinks is None else ", sinks in the epilogue"
     if gluon is not None and gluon[0] == "dense":
-        result = hopper.forward(q, k, v, scale)
+        result = hopper.forward(q, k, v, scale, sinks)
         if result is not None:
-            _log.debug("forward: Gluon dense kernel (head dim %d, %s)", D, q.dtype)
+            _log.debug("forward: Gluon dense kernel (head dim %d, %s%s)", D, q.dtype, sink_note)
             return result, None, None
     elif gluon is not None:
         module, table_args, has_full = gluon[1]
         run = functools.partial(hopper.forward_masked, module=module, table_args=table_args,
                                 has_full=has_full, scale=scale,
-                                key=("forward_hopper.py.tmpl", mask_lowered.source, D))
-        result = run(q, k, v, caps=caps)
+                                key=("forward_hopper.py.tmpl", mask_lowered.source, D, sinks is not None))
+        result = run(q, k, v, caps=caps, sinks=sinks)
         if result is not None:
-            _log.debug("forward: Gluon masked kernel (head dim %d, %s)", D, q.dtype)
+            _log.debug("forward: Gluon masked kernel (head dim %d, %s%s)", D, q.dtype, sink_note)
             return result, None, run
     module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
     fp8 = descales is not None
@@ -545,15 +557,15 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
     choice = template_choice(q, k, v, score_lowered, module, blocks, dense, opts)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("forward: Triton template, tables %s, dense=%s full_runs=%s tma=%s kv_rows=%s "
-                   "warp_spec_candidates=%s ordered=%s tiles=%s", blocks.sparse_block, choice.dense,
+                   "warp_spec_candidates=%s ordered=%s tiles=%s%s", blocks.sparse_block, choice.dense,
                    choice.full_runs, choice.tma, choice.k_desc is not None, choice.q_desc_rows > 0,
-                   choice.order is not None, choice.meta or "autotuned")
+                   choice.order is not None, choice.meta or "autotuned", sink_note)
     tma, runs, q_desc_rows, order = choice.tma, choice.full_runs, choice.q_desc_rows, choice.order
     k_desc, v_desc, kernel, meta = choice.k_desc, choice.v_desc, choice.kernel, choice.meta
     kv_rows = k_desc is not None
     args, fixed, constexprs = _template_args(
         q, k, v, out, lse, row_stats, blocks, order, q_desc_rows, score_lowered, scale, opts, caps,
-        descales, stand_in=lse, dense=dense, tma=tma, runs=runs, k_desc=k_desc, v_desc=v_desc)
+        descales, sinks, stand_in=lse, dense=dense, tma=tma, runs=runs, k_desc=k_desc, v_desc=v_desc)
     if order is not None:
         def grid(bm, _bn):  # one program per tile, in the order's order
             return (order.numel() * (sparse_q // bm), 1)
@@ -585,12 +597,12 @@ def _outputs(q, head_dim_v: int, fp8: bool):
 
 
 def _template_args(q, k, v, out, lse, row_stats, blocks: BlockTensors, order, q_desc_rows: int,
-                   score_lowered, scale: float, opts: KernelOptions, caps: tuple, descales,
+                   score_lowered, scale: float, opts: KernelOptions, caps: tuple, descales, sinks,
                    *, stand_in, dense: bool, tma: bool, runs: bool, k_desc=None, v_desc=None):
     """(arguments, fixed, constexprs) of the Triton template: the arguments are (tensors of the
     call, fixed, captures), and a plan keeps ``fixed``. ``k_desc``/``v_desc``: host descriptors
-    that the kernel reads K and V through, or None; ``stand_in`` takes the place of the descale
-    pointers that a call without FP8 does not read."""
+    that the kernel reads K and V through, or None; ``stand_in`` takes the place of the pointers
+    the call does not read (descales without FP8, sinks without sinks)."""
     B, Hq, L, D = q.shape
     Hkv, S, Dv = k.shape[1], k.shape[2], v.shape[3]
     sparse_q, sparse_kv = blocks.sparse_block
@@ -605,10 +617,10 @@ def _template_args(q, k, v, out, lse, row_stats, blocks: BlockTensors, order, q_
         B * Hq * L, L, S, Hq, *scale_args(scale, q.dtype),
         *(descales.layout if fp8 else (0,) * 7),
     )
-    # The descale tensors are per call, as the captures (a plan passes each call's).
+    # The descale tensors and the sinks are per call, as the captures (a plan passes each call's).
     scales = descales[:3] if fp8 else (stand_in,) * 3
     args = (q, k if k_desc is None else k_desc, v if v_desc is None else v_desc, out, lse, row_stats,
-            *scales, *fixed, *caps)
+            *scales, stand_in if sinks is None else sinks, *fixed, *caps)
     upcast = use_interpreter() and q.dtype in (torch.float16, torch.bfloat16, FP8_DTYPE)
     constexprs = dict(
         GQA_GROUP=Hq // Hkv,
@@ -622,7 +634,7 @@ def _template_args(q, k, v, out, lse, row_stats, blocks: BlockTensors, order, q_
         INPUT_PRECISION="tf32" if (opts.allow_tf32 and not use_interpreter()) else "ieee",
         ACC_FP64=q.dtype == torch.float64,
         USE_TMA=tma, USE_ORDER=order is not None, DENSE=dense, FULL_RUNS=runs,
-        KV_ROWS=k_desc is not None, FP8=fp8,
+        KV_ROWS=k_desc is not None, FP8=fp8, HAS_SINKS=sinks is not None,
     )
     return args, fixed, constexprs
 
@@ -654,7 +666,7 @@ def forward_inline(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors | 
     stand_in = torch.empty((1,), dtype=lse.dtype, device=q.device)
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
     args, _, constexprs = _template_args(q, k, v, out, lse, row_stats, blocks, None, 0, score_lowered,
-                                         scale, opts, caps, None, stand_in=stand_in, dense=dense,
+                                         scale, opts, caps, None, None, stand_in=stand_in, dense=dense,
                                          tma=False, runs=False)
     tiles = _fixed_tiles(_candidates(max(pad_head_dim(D), pad_head_dim(Dv)), q.element_size(), dense,
                                      blocks.sparse_block)[0], blocks.sparse_block, opts)

@@ -24,7 +24,8 @@ source does not build) takes the Triton template (flexcore.kernels.forward), and
 whose layout the descriptors cannot express.
 
 The outputs are the template's: out, lse (natural log) and row_stats (the row max in log2 units of
-the scaled scores, and 1/l), so either backward reads them.
+the scaled scores, and 1/l), so either backward reads them. With sinks (one logit per query head,
+flexcore.sinks) the epilogue adds each to its rows' denominator, as the template's does.
 
 The backward (the template `backward_hopper.py.tmpl`, after the Triton preprocessing kernel of
 flexcore.kernels.backward) serves the same calls, with masks whose rows, and their transpose's,
@@ -380,35 +381,43 @@ def _sizes(q, k, scale: float) -> tuple:
     return (Hq, Hq // k.shape[1], L, k.shape[2], B * Hq * L, scale * _LOG2E)
 
 
-def forward_masked(q, k, v, module, table_args: tuple, has_full: bool, scale: float, caps: tuple, key):
+def forward_masked(q, k, v, module, table_args: tuple, has_full: bool, scale: float, caps: tuple, key,
+                   sinks=None):
     """As :func:`forward`, over the tables of :func:`masked_tables`. None where the kernel fails to
     compile for this mask (the first launch of ``key``; the caller then takes the template)."""
     if key in _unsupported:
         return None
-    return _forward(q, k, v, module, table_args, False, has_full, scale, caps, key, MASKED_TILES[q.shape[3]])
+    return _forward(q, k, v, module, table_args, False, has_full, scale, caps, key, MASKED_TILES[q.shape[3]],
+                    sinks)
 
 
-def forward(q, k, v, scale: float):
+def forward(q, k, v, scale: float, sinks=None):
     """out (B, Hq, L, D), lse (B, Hq, L) and row_stats (2, B, Hq, L), as the template's forward;
-    None where the kernel failed to build (see _launch_once; the caller takes the template)."""
+    None where the kernel failed to build (see _launch_once; the caller takes the template).
+    ``sinks``: (Hq,) logits of unit stride that join each row's denominator, or None
+    (flexcore.kernels.forward.forward)."""
     module = dense_module()
     if module is None:
         return None
+    key = ("dense", q.dtype, q.shape[3]) + (() if sinks is None else ("sinks",))
+    if key in _unsupported:
+        return None
     # DENSE reads no tables: any pointer and stride will do.
-    return _forward(q, k, v, module, (q,) * 4 + (0,) * 12, True, False, scale, (), ("dense", q.dtype, q.shape[3]),
-                    DENSE_TILES[q.shape[3]])
+    return _forward(q, k, v, module, (q,) * 4 + (0,) * 12, True, False, scale, (), key, DENSE_TILES[q.shape[3]],
+                    sinks)
 
 
 def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, scale: float, caps: tuple, key,
-             tiles: GluonTiles):
+             tiles: GluonTiles, sinks=None):
     result, descs, strides = _prepare(q, k, v)
     B, Hq, L, D = q.shape
     rows = tiles.num_wg * (BLOCK_M // 2)
     union = not dense and tiles.num_wg == 3  # programs over two mask blocks: union_tables
+    # Without sinks lse stands in for their pointer (unread: HAS_SINKS).
     launch = functools.partial(
-        module.flex_hopper_fwd[(-(-L // rows), B * Hq)], *descs, *table_args, *strides,
-        *_sizes(q, k, scale), *caps, dense, has_full, BLOCK_M // 2, BLOCK_N, D, tiles.stages, tiles.wg_regs,
-        tiles.num_wg, union, num_warps=4, maxnreg=tiles.max_regs)
+        module.flex_hopper_fwd[(-(-L // rows), B * Hq)], *descs, descs[4] if sinks is None else sinks,
+        *table_args, *strides, *_sizes(q, k, scale), *caps, dense, has_full, sinks is not None, BLOCK_M // 2,
+        BLOCK_N, D, tiles.stages, tiles.wg_regs, tiles.num_wg, union, num_warps=4, maxnreg=tiles.max_regs)
     return result if _launch_once(key, launch) else None
 
 

@@ -4,11 +4,15 @@ tolerances relative to torch's own error in the same dtype; fully masked rows, G
 cache, the deterministic sink gradient, torch.compile, bad inputs, and torch's flex_attention with
 the LSE renormalisation that users apply today.
 
-The reference implements sinks independently (one more softmax column), flex_attention from the
-kernels' (out, lse) (flexcore.sinks), so agreement checks the derivation as well as the kernels.
+The reference implements sinks independently (one more softmax column). Eager calls of the forward
+kernels (the Triton template here, under the interpreter; the Gluon forwards on a Hopper GPU) take
+the sink into their epilogue, with the sink's gradient from the backward's row deltas; decode,
+compiled and learnable-sink FP8 calls apply them after the kernels (flexcore.sinks.apply_sinks).
+Agreement checks the derivation as well as the kernels.
 """
 from __future__ import annotations
 
+import logging
 import math
 import zlib
 
@@ -18,7 +22,9 @@ import torch
 from flexcore import AuxRequest, KernelOptions, create_block_mask, flex_attention
 from flexcore.errors import InputError
 from flexcore.reference import flex_attention_reference
+from flexcore.sinks import apply_sinks
 from flexcore.testing import assert_close_to_reference
+from tests.flexcore.policies import policy_options
 
 ATOL = {torch.float64: 1e-10, torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 
@@ -27,10 +33,10 @@ def seed_of(*parts) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
-def make_sinks(H: int, gen, dtype=torch.float32, device="cpu"):
-    # Centred near a row's typical lse (log of ~100 keys), so that the sink takes a large share of
-    # some rows and little of others: both terms of its gradient matter.
-    return (3.0 + 2.0 * torch.randn(H, generator=gen)).to(device, dtype).requires_grad_()
+def make_sinks(H: int, gen, dtype=torch.float32, device="cpu", center: float = 3.0):
+    # Centred near a row's typical lse (by default the log of ~20 keys), so that the sink takes a
+    # large share of some rows and little of others: both terms of its gradient matter.
+    return (center + 2.0 * torch.randn(H, generator=gen)).to(device, dtype).requires_grad_()
 
 
 def alibi_factory(slopes):
@@ -40,34 +46,39 @@ def alibi_factory(slopes):
 
 
 def check_against_reference(B, Hq, Hkv, L, S, D, dtype, mask_mod, block, seed, *, device="cpu",
-                            sink_dtype=torch.float32, what=""):
-    """One forward+backward with sinks and a learnable ALiBi slope through flex_attention; out,
-    lse and the gradients of q, k, v, sinks and slopes against the float64 golden, within twice
-    torch's own error (the reference in ``dtype``). Returns (out, lse, grads) for more checks."""
+                            sink_dtype=torch.float32, alibi=True, kernel_options=None, what="",
+                            sink_center: float = 3.0, value_mean: float = 0.0):
+    """One forward+backward with sinks (and, with ``alibi``, a learnable ALiBi slope: a captured
+    tensor's gradient) through flex_attention; out, lse and the gradients of q, k, v, sinks (and
+    slopes) against the float64 golden, within twice torch's own error (the reference in
+    ``dtype``). ``value_mean``: added to every value. Returns (out, lse, grads) for more checks."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, Hq, L, D, generator=gen).to(device, dtype).requires_grad_()
     k = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype).requires_grad_()
-    v = torch.randn(B, Hkv, S, D, generator=gen).to(device, dtype).requires_grad_()
-    sinks = make_sinks(Hq, gen, sink_dtype, device)
+    v = (value_mean + torch.randn(B, Hkv, S, D, generator=gen)).to(device, dtype).requires_grad_()
+    sinks = make_sinks(Hq, gen, sink_dtype, device, sink_center)
     slopes = (0.1 * torch.rand(Hq, generator=gen)).to(device).requires_grad_()
     grad_out = torch.randn(B, Hq, L, D, generator=gen).to(device, dtype)
     grad_lse = torch.randn(B, Hq, L, generator=gen).to(device)
     bm = create_block_mask(mask_mod, None, None, L, S, device=device, BLOCK_SIZE=block)
     gqa = Hq != Hkv
 
-    out, aux = flex_attention(q, k, v, score_mod=alibi_factory(slopes), block_mask=bm, enable_gqa=gqa,
-                              return_aux=AuxRequest(lse=True), sinks=sinks)
-    inputs = [q, k, v, sinks, slopes]
+    def score_mod(inputs):
+        return alibi_factory(inputs[4]) if alibi else None
+
+    inputs = [q, k, v, sinks, slopes][:5 if alibi else 4]
+    out, aux = flex_attention(q, k, v, score_mod=score_mod(inputs), block_mask=bm, enable_gqa=gqa,
+                              return_aux=AuxRequest(lse=True), sinks=sinks, kernel_options=kernel_options)
     ours = [out, aux.lse, *torch.autograd.grad((out * grad_out).sum() + (aux.lse * grad_lse).sum(), inputs)]
 
     inputs64 = [t.detach().double().requires_grad_() for t in inputs]
-    gold, gold_lse = flex_attention_reference(*inputs64[:3], score_mod=alibi_factory(inputs64[4]),
+    gold, gold_lse = flex_attention_reference(*inputs64[:3], score_mod=score_mod(inputs64),
                                               block_mask=bm, enable_gqa=gqa, return_lse=True,
                                               sinks=inputs64[3], upcast=True)
     golden = [gold, gold_lse, *torch.autograd.grad(
         (gold * grad_out.double()).sum() + (gold_lse * grad_lse.double()).sum(), inputs64)]
 
-    base, base_lse = flex_attention_reference(q, k, v, score_mod=alibi_factory(slopes), block_mask=bm,
+    base, base_lse = flex_attention_reference(q, k, v, score_mod=score_mod(inputs), block_mask=bm,
                                               enable_gqa=gqa, return_lse=True, sinks=sinks, upcast=False)
     baseline = [base, base_lse, *torch.autograd.grad(
         (base * grad_out).sum() + (base_lse * grad_lse.to(base_lse.dtype)).sum(), inputs)]
@@ -81,7 +92,7 @@ def check_against_reference(B, Hq, Hkv, L, S, D, dtype, mask_mod, block, seed, *
     assert ours[0].dtype == dtype and ours[5].dtype == sink_dtype
 
     # The sinks change the result: the same call without them is far from the golden.
-    without = flex_attention_reference(*inputs64[:3], score_mod=alibi_factory(inputs64[4]), block_mask=bm,
+    without = flex_attention_reference(*inputs64[:3], score_mod=score_mod(inputs64), block_mask=bm,
                                        enable_gqa=gqa, upcast=True)
     assert (without - gold).norm() > 0.05 * gold.norm(), f"{what}: the sinks barely move the output"
     return ours, bm, sinks
@@ -131,14 +142,33 @@ def test_decode(dtype):
                             what=f"decode/{dtype}")
 
 
-def test_sinks_alone_require_grad():
-    """Only the sinks learn (q, k, v frozen): the inference path runs the kernels without an
-    autograd node and the sinks' gradient still matches the golden."""
-    gen = torch.Generator().manual_seed(seed_of("sinks-only"))
-    q, k, v = (torch.randn(1, 2, 64, 16, generator=gen) for _ in range(3))
-    sinks = make_sinks(2, gen)
+@pytest.mark.parametrize("case", ["dense", "gqa_window"])
+def test_sink_gradient_reads_no_rounded_output(case):
+    """bf16 without a captured tensor: the sinks' gradient, -sum over rows of p_sink * delta, adds
+    up each row's delta over hundreds of rows. delta = rowsum(dO * O) read from the bf16 output
+    carries one rounding of O per row, large beside torch's where the values share a mean (O is
+    then large while each key's dP rounds on its own and averages out); the backward takes delta
+    from its own probabilities, rowsum(P * dP), where the sinks learn. Sinks near log(S) take a
+    sizeable share of the rows; the window case has 4 query heads on 2 key/value heads."""
+    Hkv, mask_mod = {"dense": (4, lambda b, h, q_idx, kv_idx: q_idx >= 0),
+                     "gqa_window": (2, _window(128))}[case]
+    check_against_reference(2, 4, Hkv, 256, 256, 16, torch.bfloat16, mask_mod, 64, seed_of("rounded-out", case),
+                            alibi=False, what=f"rounded-out/{case}", sink_center=math.log(256), value_mean=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sinks_alone_require_grad(decided, dtype):
+    """Only the sinks learn (q, k, v frozen): the forward kernel takes them in and the backward
+    runs no gradient kernel, only the pass that computes the rows' delta from its probabilities
+    (not the bf16 output, whose rounding the sum over rows adds up: values with a common mean);
+    it matches the golden."""
+    gen = torch.Generator().manual_seed(seed_of("sinks-only", dtype))
+    B, H, L, D = 2, 4, 256, 16
+    q, k = (torch.randn(B, H, L, D, generator=gen).to(dtype) for _ in range(2))
+    v = (1.0 + torch.randn(B, H, L, D, generator=gen)).to(dtype)
+    sinks = make_sinks(H, gen, center=math.log(L))
     sinks64 = sinks.detach().double().requires_grad_()
-    g = torch.randn(1, 2, 64, 16, generator=gen)
+    g = torch.randn(B, H, L, D, generator=gen).to(dtype)
     out = flex_attention(q, k, v, sinks=sinks)
     (ours,) = torch.autograd.grad((out * g).sum(), sinks)
     gold = flex_attention_reference(q.double(), k.double(), v.double(), sinks=sinks64)
@@ -146,6 +176,126 @@ def test_sinks_alone_require_grad():
     base = flex_attention_reference(q, k, v, sinks=sinks, upcast=False)
     (baseline,) = torch.autograd.grad((base * g).sum(), sinks)
     assert_close_to_reference(ours, golden, baseline, metric="rel_fro", atol=1e-6, name="dsinks")
+    assert decided == {"forward": 1, "backward": 0}
+
+
+def _dispatch_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "flexcore.dispatch"]
+
+
+def test_the_forward_kernel_takes_the_sinks_in(caplog):
+    """An eager call of the forward kernel applies the sinks in its epilogue (the dispatch log
+    says so, and the pass after the kernels gives the same up to rounding); a decoding-length
+    query applies them after the decode kernel, still matching the golden."""
+    from flexcore import attention
+
+    gen = torch.Generator().manual_seed(seed_of("in-kernel"))
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=gen) for _ in range(3))
+    sinks = make_sinks(2, gen).detach()
+    with caplog.at_level(logging.DEBUG, logger="flexcore.dispatch"):
+        out, aux = flex_attention(q, k, v, sinks=sinks, return_aux=AuxRequest(lse=True))
+    [line] = [m for m in _dispatch_lines(caplog) if m.startswith("forward:")]
+    assert "Triton template" in line and "sinks in the epilogue" in line, line
+    plain, plain_aux = flex_attention(q, k, v, return_aux=AuxRequest(lse=True))
+    after, after_lse = apply_sinks(plain, plain_aux.lse, sinks)
+    torch.testing.assert_close(out, after, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(aux.lse, after_lse, rtol=1e-6, atol=1e-6)
+
+    opts = KernelOptions.from_any(None)
+    assert attention.sinks_in_kernel(q, opts)
+    short = q[:, :, :8]
+    assert not attention.sinks_in_kernel(short, opts)  # the decode kernel's length
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG, logger="flexcore.dispatch"):
+        out = flex_attention(short, k, v, sinks=sinks)
+    assert not any("sinks in the epilogue" in m for m in _dispatch_lines(caplog))
+    gold = flex_attention_reference(short.double(), k.double(), v.double(), sinks=sinks.double())
+    base = flex_attention_reference(short, k, v, sinks=sinks, upcast=False)
+    assert_close_to_reference(out, gold, base, metric="rel_fro", atol=1e-6, name="decode out")
+
+
+def test_row_statistics_include_the_sink():
+    """The forward kernel's own outputs with sinks, in float64: row_stats keep the scores' row
+    max (max_scores' source, unchanged by the sinks) with the second row such that
+    exp2(s·scale·log2(e) - max) times it is each key's probability with the sink in (what the
+    backward kernels recompute); out and lse are what flex_attention returns. Row 5 keeps no key."""
+    from flexcore import attention
+    from flexcore.kernels import forward as fwd
+    from flexcore.lowering import lower_mask_mod, lower_score_mod
+    from flexcore.options import KernelOptions
+
+    attention.ready()
+    gen = torch.Generator().manual_seed(seed_of("row-stats"))
+    B, H, L, D = 1, 2, 64, 16
+    q, k, v = (torch.randn(B, H, L, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    sinks = make_sinks(H, gen, torch.float64).detach()
+    mask_mod = causal_with_a_masked_row(5)
+    bm = create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=32)
+    scale = 1.0 / math.sqrt(D)
+    args = (q, k, v, lower_score_mod(None, torch.float64), lower_mask_mod(mask_mod),
+            attention.kv_blocks(bm, B, H), scale, KernelOptions.from_any(None))
+    out, lse, row_stats = fwd.forward(*args, sinks=sinks)
+    _, _, plain_stats = fwd.forward(*args)
+    assert torch.equal(row_stats[0], plain_stats[0])
+    assert row_stats[0, 0, :, 5].eq(float("-inf")).all() and row_stats[1, 0, :, 5].eq(0).all()
+
+    rows = torch.arange(L).view(-1, 1)
+    keep = (rows >= torch.arange(L).view(1, -1)) & (rows != 5)
+    scores = torch.where(keep, q @ k.transpose(-1, -2) * scale, float("-inf"))
+    m = torch.where(torch.isinf(row_stats[0]), 0.0, row_stats[0]).unsqueeze(-1)
+    probs = torch.exp2(scores / math.log(2) - m) * row_stats[1].unsqueeze(-1)
+    columns = torch.cat([scores, sinks.view(1, H, 1, 1).expand(B, H, L, 1)], dim=-1)
+    expected = torch.softmax(columns, dim=-1)[..., :L]
+    torch.testing.assert_close(probs, expected, rtol=1e-12, atol=1e-14)
+
+    got, aux = flex_attention(q, k, v, block_mask=bm, sinks=sinks, return_aux=AuxRequest(lse=True))
+    assert torch.equal(got, out) and torch.equal(aux.lse, lse)
+    assert torch.equal(lse[:, :, 5], sinks.view(1, H).expand(B, H)) and out[:, :, 5].eq(0).all()
+
+
+@pytest.mark.filterwarnings("ignore:return_lse is deprecated")
+def test_lse_gradient_alone_with_sinks():
+    """A loss of the lse only (no gradient reaches out: the backward fills a zero dO), through the
+    deprecated return_lse, with sinks in the kernel: q, k and the sinks' gradients against the
+    golden. A row without a kept key has lse = sink, so its lse's gradient goes to the sink whole."""
+    gen = torch.Generator().manual_seed(seed_of("lse-only"))
+    B, H, L, D = 1, 2, 80, 16
+    q, k, v = (torch.randn(B, H, L, D, generator=gen).requires_grad_() for _ in range(3))
+    sinks = make_sinks(H, gen)
+    g = torch.randn(B, H, L, generator=gen)
+    bm = create_block_mask(causal_with_a_masked_row(33), None, None, L, L, device="cpu", BLOCK_SIZE=32)
+    _, lse = flex_attention(q, k, v, block_mask=bm, sinks=sinks, return_lse=True)
+    inputs = [q, k, sinks]
+    ours = torch.autograd.grad((lse * g).sum(), inputs)
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    _, gold_lse = flex_attention_reference(inputs64[0], inputs64[1], v.detach().double(), block_mask=bm,
+                                           sinks=inputs64[2], return_lse=True)
+    golden = torch.autograd.grad((gold_lse * g.double()).sum(), inputs64)
+    _, base_lse = flex_attention_reference(q, k, v, block_mask=bm, sinks=sinks, return_lse=True, upcast=False)
+    baseline = torch.autograd.grad((base_lse * g).sum(), inputs)
+    for name, a, gold, base in zip(["dq", "dk", "dsinks"], ours, golden, baseline):
+        assert_close_to_reference(a, gold, base, metric="rel_fro", atol=1e-6, name=f"lse-only {name}")
+
+
+def test_plans_take_each_calls_sinks(decided):
+    """Repeated calls of one shape run the kept plan with each call's sinks (their values are
+    read at every call, never kept); a call without sinks, or with sinks of another dtype, takes
+    a plan of its own. Each result against the golden."""
+    gen = torch.Generator().manual_seed(seed_of("plans"))
+    B, H, L, D = 1, 2, 64, 16
+    q, k, v = (torch.randn(B, H, L, D, generator=gen) for _ in range(3))
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, L, L, device="cpu",
+                           BLOCK_SIZE=32)
+    first, second = make_sinks(H, gen).detach(), make_sinks(H, gen).detach()
+    calls = [(first, 1), (second, 0), (None, 1), (second.to(torch.bfloat16), 1), (first, 0)]
+    for sinks, decides in calls:
+        before = decided["forward"]
+        out = flex_attention(q, k, v, block_mask=bm, sinks=sinks)
+        assert decided["forward"] - before == decides, (sinks, decided)
+        s64 = None if sinks is None else sinks.double()
+        gold = flex_attention_reference(q.double(), k.double(), v.double(), block_mask=bm, sinks=s64)
+        base = flex_attention_reference(q, k, v, block_mask=bm, sinks=sinks, upcast=False)
+        assert_close_to_reference(out, gold, base, metric="rel_fro", atol=1e-6, name=f"plan out {sinks}")
 
 
 def test_deterministic_sink_gradient():
@@ -431,3 +581,88 @@ def test_compiled_inductor_gpu():
     got, eager = run(torch.compile(fn, fullgraph=True)), run(fn)
     for name, a, b in zip(["out", "dq", "dk", "dv", "dsinks"], got, eager):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=f"compiled {name}")
+
+
+# -- Hopper GPU: the Gluon forwards take the sinks in their epilogue --------------------------------
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")
+
+# Dense: every block full (the dense Gluon kernel); causal with an empty row and a sliding window:
+# the masked Gluon kernel (forced by the policy, which otherwise keeps short rows on the template).
+_GLUON_MASKS = {
+    "dense": (lambda b, h, q_idx, kv_idx: q_idx >= 0, "dense"),
+    "causal": (causal_with_a_masked_row(300), "masked"),
+    "window": (_window(256), "masked"),
+}
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("mask", sorted(_GLUON_MASKS))
+def test_gluon_forward_takes_the_sinks_in(caplog, mask, D):
+    """bf16 through the Gluon forwards at head dims 64 and 128 (GQA, two batches): out, lse and
+    the gradients of q, k, v and the sinks against the float64 golden, within twice torch's own
+    bf16 error; the dispatch log shows that the Gluon kernel, not the template, served the call
+    with the sinks in its epilogue."""
+    mask_mod, kind = _GLUON_MASKS[mask]
+    opts = policy_options(gluon={kind: "on"})  # raises if the Gluon kernel cannot serve the call
+    with caplog.at_level(logging.DEBUG, logger="flexcore.dispatch"):
+        # 16 heads: dsinks is one sum per head, and its error over a few heads is too noisy to
+        # compare with torch's; sinks near log(1024 keys), where they move a dense row's output.
+        check_against_reference(2, 16, 4, 1024, 1024, D, torch.bfloat16, mask_mod, 128,
+                                seed_of("gluon", mask, D), device="cuda", alibi=False,
+                                kernel_options=opts, what=f"gluon/{mask}/D{D}",
+                                sink_center=math.log(1024) - 0.5)
+    lines = [m for m in _dispatch_lines(caplog) if m.startswith("forward:")]
+    assert lines and all(f"Gluon {kind} kernel" in m and "sinks in the epilogue" in m for m in lines), lines
+    # The sinks learn: the backward is the template's, whose pass computes delta = rowsum(P * dP).
+    lines = [m for m in _dispatch_lines(caplog) if m.startswith("backward:")]
+    assert lines and all("Triton template" in m and "exact_delta=True" in m for m in lines), lines
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_forced_gluon_backward_refuses_learning_sinks():
+    """policy.gluon.backward='on' with sinks that want a gradient: the Gluon backward has no pass
+    for the exact delta that their gradient reads, so the call is refused, naming the sinks and the
+    settings that would serve it; with sinks that do not learn it runs."""
+    gen = torch.Generator().manual_seed(seed_of("gluon-refuses"))
+    B, H, L, D = 1, 4, 1024, 128
+    q, k, v = (torch.randn(B, H, L, D, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(3))
+    sinks = make_sinks(H, gen, device="cuda", center=math.log(L))
+    opts = policy_options(gluon={"backward": "on"})
+    out = flex_attention(q, k, v, sinks=sinks, kernel_options=opts)
+    with pytest.raises(InputError, match="sinks want a gradient.*exact_delta"):
+        torch.autograd.grad(out.sum(), [q, sinks])
+    out = flex_attention(q, k, v, sinks=sinks.detach(), kernel_options=opts)
+    # A dense dO: the Gluon backward reads dO as (rows, D), which out.sum()'s expanded ones are not.
+    grad_out = torch.randn(out.shape, generator=gen).cuda().bfloat16()
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out, [q, k, v], grad_out))
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("kind", ["dense", "masked"])
+def test_gluon_plans_take_each_calls_sinks(caplog, kind):
+    """Repeated Gluon calls of one shape (the kept plan) read each call's sinks; a call without
+    sinks takes its own kernel. Each output and lse against the float64 golden."""
+    gen = torch.Generator().manual_seed(seed_of("gluon-plans", kind))
+    B, H, L, D = 1, 4, 1024, 128
+    q, k, v = (torch.randn(B, H, L, D, generator=gen).cuda().bfloat16() for _ in range(3))
+    mask_mod = _GLUON_MASKS["dense" if kind == "dense" else "window"][0]
+    bm = create_block_mask(mask_mod, None, None, L, L, device="cuda")
+    opts = policy_options(gluon={kind: "on"})
+    first, second = make_sinks(H, gen, device="cuda").detach(), make_sinks(H, gen, device="cuda").detach()
+    for sinks in (first, second, None, first):
+        out, aux = flex_attention(q, k, v, block_mask=bm, sinks=sinks, kernel_options=opts,
+                                  return_aux=AuxRequest(lse=True))
+        s64 = None if sinks is None else sinks.double()
+        gold, gold_lse = flex_attention_reference(q, k, v, block_mask=bm, sinks=s64, return_lse=True)
+        base = flex_attention_reference(q, k, v, block_mask=bm, sinks=sinks, upcast=False)
+        assert_close_to_reference(out, gold, base, metric="rel_fro", atol=1e-3, name=f"{kind} out")
+        torch.testing.assert_close(aux.lse.double(), gold_lse, rtol=1e-4, atol=1e-4)
