@@ -699,8 +699,10 @@ def backward_inline(q, k, v, out, row_stats, grad_out, grad_lse, score_lowered, 
     template launched through ``torch.library.wrap_triton``, for the compiled call that Inductor
     launches itself (flexcore.ops, "inline" backward). As flexcore.kernels.forward.forward_inline,
     every decision reads shapes, dtypes and options only: the mask's own tables, no full-block runs,
-    descriptors or warp specialization, the first tile configuration, two launches (one where the
-    policy's backward.fused is "on"). ``kv_blocks`` and ``q_blocks`` None: no mask (the dense path)."""
+    descriptors or warp specialization, the first tile configuration, and one launch for both kinds
+    of program unless the policy's backward.fused is "off" (one launch measured as fast or faster
+    inside compiled steps; its shared memory is the larger kind's). ``kv_blocks`` and ``q_blocks``
+    None: no mask (the dense path)."""
     from torch.library import wrap_triton
 
     from flexcore.kernels.forward import _DENSE_SPARSE_BLOCK, _constexpr_defaults
@@ -726,7 +728,7 @@ def backward_inline(q, k, v, out, row_stats, grad_out, grad_lse, score_lowered, 
     choice = BackwardChoice(dense, (0, 0, 0, 0), False, False, False,
                             *_row_rules(opts, q.element_size(), bool(score_bwd_lowered.grad_of)), dkdv_tiles,
                             dq_tiles,
-                            policy.fused == "on" and dkdv_tiles[2].get("num_warps") == dq_tiles[2].get("num_warps"))
+                            policy.fused != "off" and dkdv_tiles[2].get("num_warps") == dq_tiles[2].get("num_warps"))
     module = backward_module(score_lowered, score_bwd_lowered, mask_lowered)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     delta = torch.empty((B, Hq, L), dtype=acc, device=q.device)

@@ -113,9 +113,12 @@ class BackwardPolicy:
     dense: Switch = "auto"
     dense_head_dims: tuple[int, ...] = (128,)
     #: Warp-specialized dense loops. auto: at dense_head_dims with a score_mod on Hopper or later;
-    #: on: wherever the layout allows (also under the interpreter); off: never.
-    warp_spec: Switch = "auto"
-    warp_spec_kinds: tuple[str, ...] = ("dkdv", "dq")
+    #: on: wherever the layout allows (also under the interpreter); off (default): never, as the
+    #: gain is a few percent (docs/decisions.md#backward-dense-path).
+    warp_spec: Switch = "off"
+    #: The kinds of program whose loops are specialized: one of them. Both at once gave gradients
+    #: that differ from run to run on the GPU (a race), so that is refused.
+    warp_spec_kinds: tuple[str, ...] = ("dkdv",)
     #: Where captured tensors want gradients, delta is recomputed as rowsum(P * dP) by an extra pass.
     exact_delta: bool = True
     #: One launch for the dK/dV and dQ programs. auto: timed against two at fused_head_dims (the
@@ -125,6 +128,10 @@ class BackwardPolicy:
 
     def __post_init__(self):
         _check_fields(self)
+        if len(self.warp_spec_kinds) != 1 or self.warp_spec_kinds[0] not in ("dkdv", "dq"):
+            raise InputError(f"BackwardPolicy.warp_spec_kinds = {self.warp_spec_kinds!r}: expected ('dkdv',) or "
+                             "('dq',); specializing both kinds at once races on the GPU "
+                             "(docs/decisions.md#backward-dense-path)")
 
 
 @dataclass(frozen=True)
@@ -172,12 +179,11 @@ class LaunchPolicy:
     #: the host's time per call outweighs the kernel choice; on: every call it applies to (float32
     #: too); off: never (every call through flexcore's own dispatch).
     inline: Switch = "auto"
-    inline_max_flops: float = 3.5e10
+    inline_max_flops: float = 3e11
     #: The backward of an inline forward likewise (flexcore.ops.inline_backward_call): auto: the
     #: calls whose forward the ``inline`` rule takes; on: every call the inline forward applies to;
-    #: off: flexcore's backward op. Off by default until its GPU runs are measured
-    #: (docs/decisions.md#compiled-host-path).
-    inline_backward: Switch = "off"
+    #: off: flexcore's backward op (docs/decisions.md#compiled-host-path).
+    inline_backward: Switch = "auto"
 
     def __post_init__(self):
         _check_fields(self)

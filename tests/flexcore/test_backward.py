@@ -504,29 +504,31 @@ def _bwd_path_spy(monkeypatch) -> list:
 _WS_SHAPE = Shape("square_ws", B=2, Hq=3, Hkv=3, L=128, S=256, D=32, Dv=32, block=32)
 
 
-@pytest.mark.parametrize("shape,mod_name,dense,ws", [
-    (_WS_SHAPE, "noop", True, True),
-    (_WS_SHAPE, "softcap", True, True),
-    (_WS_SHAPE, "relative_table", True, False),  # captured tensors: never warp-specialized
-    (_WS_SHAPE, "alibi", False, False),  # causal: not all full
-    (Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=32, Dv=32, block=32), "softcap", True, False),
-    (Shape("gqa", B=1, Hq=4, Hkv=2, L=128, S=128, D=32, Dv=32, block=32), "noop", True, False),
+@pytest.mark.parametrize("shape,mod_name,kind,dense,ws", [
+    (_WS_SHAPE, "noop", "dkdv", True, True),
+    (_WS_SHAPE, "softcap", "dq", True, True),
+    (_WS_SHAPE, "relative_table", "dkdv", True, False),  # captured tensors: never warp-specialized
+    (_WS_SHAPE, "alibi", "dkdv", False, False),  # causal: not all full
+    (Shape("ragged_gqa", B=2, Hq=4, Hkv=2, L=150, S=200, D=32, Dv=32, block=32), "softcap", "dq", True, False),
+    (Shape("gqa", B=1, Hq=4, Hkv=2, L=128, S=128, D=32, Dv=32, block=32), "noop", "dkdv", True, False),
 ], ids=["noop", "softcap", "relative_table", "alibi", "ragged_gqa", "gqa"])
-def test_dense_and_warp_specialized_backward(monkeypatch, shape, mod_name, dense, ws):
-    """With the policy's backward.dense and warp_spec forced: all-full masks take the dense loops, warp-specialized (every
-    tile and row read through descriptors over all rows; under the interpreter the loops run
-    unspecialized) where the layout, GQA, lengths and mod allow; bf16 gradients against float64."""
+def test_dense_and_warp_specialized_backward(monkeypatch, shape, mod_name, kind, dense, ws):
+    """With the policy's backward.dense and warp_spec forced: all-full masks take the dense loops, the
+    chosen kind of program warp-specialized (every tile and row read through descriptors over all
+    rows; under the interpreter the loops run unspecialized) where the layout, GQA, lengths and mod
+    allow; bf16 gradients against float64."""
     seen = _bwd_path_spy(monkeypatch)
     check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("bwd_ws", mod_name, shape.name),
-                   kernel_options=policy_options(backward={"dense": "on", "warp_spec": "on"}))
-    assert seen and all(flags[1:] == (dense, ws, ws) for flags in seen), seen
+                   kernel_options=policy_options(backward={"dense": "on", "warp_spec": "on",
+                                                           "warp_spec_kinds": (kind,)}))
+    assert seen and all(flags[1:] == (dense, ws and kind == "dkdv", ws and kind == "dq") for flags in seen), seen
 
 
 @pytest.mark.parametrize("head_dim,mod_name,dense", [
     (128, "noop", True), (128, "softcap", False), (64, "noop", False), (128, "causal", False)])
 def test_dense_backward_by_default(monkeypatch, head_dim, mod_name, dense):
     """The default rule: the dense loops at head dim 128 without a score_mod; with one only
-    warp-specialized, which needs a GPU (so never here); never at 64 (docs/decisions.md#backward-dense-path)."""
+    warp-specialized, which is off by default; never at 64 (docs/decisions.md#backward-dense-path)."""
     seen = _bwd_path_spy(monkeypatch)
     shape = Shape("dense_default", B=1, Hq=2, Hkv=2, L=64, S=96, D=head_dim, Dv=head_dim, block=32)
     check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("bwd_dense", mod_name, head_dim))
@@ -714,7 +716,7 @@ def test_backward_row_stats_path_gpu(monkeypatch, shape_name, mod_name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape_name,mod_name,forced,dense,ws", [
-    ("gpu_1k", "noop", False, True, False), ("gpu_1k", "softcap", False, True, True),
+    ("gpu_1k", "noop", False, True, False), ("gpu_1k", "softcap", False, False, False),
     ("gpu_1k", "alibi", False, False, False), ("gpu_1k", "noop", True, True, True),
     # head dim 64: 4-warp tiles, never warp-specialized on the GPU (a forced run once gave NaN)
     ("gpu_ws64", "softcap", True, True, False), ("gpu_ws64", "noop", True, True, False),
@@ -730,16 +732,18 @@ def test_backward_dense_and_warp_specialized_gpu(monkeypatch, shape_name, mod_na
     seen = _bwd_path_spy(monkeypatch)
     check_backward(shape, mod_name, torch.bfloat16, seed=seed_of("gpu_ws", mod_name, shape_name, forced),
                    device="cuda", kernel_options=opts)
-    assert seen and all(flags[1:] == (dense, ws, ws) for flags in seen), seen
+    assert seen and all(flags[1:] == (dense, ws, False) for flags in seen), seen
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["dkdv", "dq"])
 @pytest.mark.parametrize("mod_name", ["noop", "softcap"])
-def test_warp_specialized_backward_repeats_bit_identically_gpu(monkeypatch, mod_name):
+def test_warp_specialized_backward_repeats_bit_identically_gpu(monkeypatch, mod_name, kind):
     """dQ, dK and dV use no atomics, so repeated backward passes must agree bit for bit: a race in
-    the warp-specialized loops (as seen once at 4 warps) would show as a difference or a NaN."""
-    opts = _template_backward(backward={"dense": "on", "warp_spec": "on"})
+    the warp-specialized loops (as seen at 4 warps, and with both kinds specialized at once) would
+    show as a difference or a NaN."""
+    opts = _template_backward(backward={"dense": "on", "warp_spec": "on", "warp_spec_kinds": (kind,)})
     seen = _bwd_path_spy(monkeypatch)
     shape = Shape("gpu_ws_repeat", B=4, Hq=16, Hkv=16, L=2048, S=2048, D=128, Dv=128, block=128)
     gen = torch.Generator().manual_seed(seed_of("gpu_ws_repeat", mod_name))
@@ -754,7 +758,7 @@ def test_warp_specialized_backward_repeats_bit_identically_gpu(monkeypatch, mod_
         if first is None:
             first = grads
         assert all(torch.equal(a, b) for a, b in zip(grads, first))
-    assert seen and all(flags[1:] == (True, True, True) for flags in seen), seen
+    assert seen and all(flags[1:] == (True, kind == "dkdv", kind == "dq") for flags in seen), seen
 
 
 @pytest.mark.gpu

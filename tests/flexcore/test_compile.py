@@ -552,7 +552,7 @@ def test_inline_backward_op_against_float64(case):
 
 
 def test_inline_backward_choice():
-    """The launch policy's inline_backward rule: off by default; auto where the forward's inline
+    """The launch policy's inline_backward rule: auto by default, where the forward's inline
     rule takes the call; on wherever the inline forward applies; never with a forced Gluon
     backward, a mask without its transposed tables, or no mask where the dense path is off."""
     from flexcore.kernels.policy import DispatchPolicy
@@ -562,7 +562,8 @@ def test_inline_backward_choice():
         args = _inline_args(None, causal if mask else None, 64, H, H, policy, 3)[0]
         return ops.inline_backward_call(args) is not None, args
 
-    assert not choice(inline="on")[0]  # inline_backward "off"
+    assert choice(inline="on")[0]  # inline_backward "auto" follows the forward
+    assert not choice(inline="on", inline_backward="off")[0]
     assert choice(inline="on", inline_backward="auto")[0]
     assert not choice(inline="auto", inline_backward="auto")[0]  # the interpreter is inline only with "on"
     assert choice(inline="auto", inline_backward="on")[0]

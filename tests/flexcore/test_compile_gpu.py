@@ -136,11 +136,12 @@ def test_inline_forward_gpu(mask, D, dtype):
 @pytest.mark.parametrize("mask", ["none", "causal", "document"])
 @pytest.mark.parametrize("D", [64, 128])
 def test_inline_backward_gpu(mask, D):
-    """With the launch policy's inline_backward on, the backward's kernels are launched from
-    Inductor's code too (no flexcore backward op call left), within twice torch's own error."""
+    """The inline backward in two launches (backward.fused "off"; the default is one launch for both
+    kinds of program), launched from Inductor's code (no flexcore backward op call left), within
+    twice torch's own error."""
     from flexcore.kernels.policy import DispatchPolicy
 
-    policy = DispatchPolicy().replace(launch={"inline_backward": "on"})
+    policy = DispatchPolicy().replace(launch={"inline_backward": "on"}, backward={"fused": "off"})
     _inline_case(mask, D, torch.bfloat16, {"policy": policy})
 
 
@@ -183,9 +184,9 @@ def _inline_case(mask, D, dtype, kernel_options):
     compiled = torch.compile(attend(), fullgraph=True)
     got, codes = run_and_get_code(lambda: results(compiled, inputs))
     assert "flex_forward_kernel" in codes[0] and "flexcore.flex_attention_forward" not in codes[0]
-    if kernel_options is not None:  # the backward graph's code launches the backward kernels
-        assert len(codes) == 2 and "flex_bwd_kernel" in codes[1], len(codes)
-        assert "flexcore.flex_attention_backward" not in codes[1]
+    # The backward graph's code launches the backward kernels (inline_backward "auto" follows the forward).
+    assert len(codes) == 2 and "flex_bwd_kernel" in codes[1], len(codes)
+    assert "flexcore.flex_attention_backward" not in codes[1]
     golden = results(attend(reference=True), [t.double() for t in inputs])
     base = results(attend(reference=False), inputs)
     for name, a, gold, b in zip(("out", "lse", "dq", "dk", "dv", "dslopes"), got, golden, base):

@@ -48,14 +48,19 @@ def test_inline_forward_traces_to_one_launch(mask):
 
 
 # document: the score_mod and the mask_mod read one tensor, which the launches take twice.
-@pytest.mark.parametrize("case", [("causal", "grad"), ("none", "gqa"), ("document", "grad")],
-                         ids=["causal-grad", "dense-gqa", "document-shared-capture"])
+# two: backward.fused "off" (two launches; by default one launch runs both kinds of program).
+@pytest.mark.parametrize("case", [("causal", "grad"), ("none", "gqa"), ("document", "grad", "two"),
+                                  ("none", "gqa", "two")],
+                         ids=["causal-grad", "dense-gqa", "document-shared-capture-two", "dense-gqa-two"])
 def test_inline_backward_traces_to_its_launches(case):
-    mask, extra = case
-    got = trace("backward", mask, extra)
-    grads = {"sm_g0_ptr"} if extra == "grad" else set()
+    mask, *extra = case
+    got = trace("backward", mask, *extra)
+    grads = {"sm_g0_ptr"} if "grad" in extra else set()
     expected = [("flex_bwd_preprocess", None, {"Delta", "LSE2"})]
-    if extra == "grad":  # captured gradients: delta from the backward's own probabilities first
+    if "grad" in extra:  # captured gradients: delta from the backward's own probabilities first
         expected.append(("flex_bwd_kernel", 3, {"DELTA"}))
-    expected += [("flex_bwd_kernel", 1, {"DK", "DV"} | grads), ("flex_bwd_kernel", 2, {"DQ"})]
+    if "two" in extra:
+        expected += [("flex_bwd_kernel", 1, {"DK", "DV"} | grads), ("flex_bwd_kernel", 2, {"DQ"})]
+    else:
+        expected.append(("flex_bwd_kernel", 0, {"DK", "DV", "DQ"} | grads))
     _check_launches(got, expected, BACKWARD_READS)

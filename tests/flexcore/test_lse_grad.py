@@ -54,7 +54,7 @@ def test_lse_gradient_on_every_template_path(monkeypatch, case):
     real = bwd.launch
 
     def spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
-        seen.append((constexprs["PHASE"], constexprs["DENSE"], constexprs["DQ_WARP_SPEC"]))
+        seen.append((constexprs["PHASE"], constexprs["DENSE"], constexprs["DKDV_WARP_SPEC"]))
         return real(kernel, grid, args, bm, bn, meta, constexprs, **kw)
 
     monkeypatch.setattr(bwd, "launch", spy)

@@ -44,6 +44,9 @@ def test_defaults_and_values():
     (lambda: DispatchPolicy(forward=GluonPolicy()), "DispatchPolicy.forward = .*: expected a ForwardPolicy"),
     (lambda: DEFAULT_POLICY.replace(fwd={}), "no family 'fwd'"),
     (lambda: KernelOptions(policy={"forward": {}}), "kernel_options\\['policy'\\] must be a"),
+    (lambda: DEFAULT_POLICY.replace(backward={"warp_spec_kinds": ("dkdv", "dq")}),
+     r"BackwardPolicy.warp_spec_kinds = \('dkdv', 'dq'\): expected \('dkdv',\) or \('dq',\); .*races"),
+    (lambda: DEFAULT_POLICY.replace(backward={"warp_spec_kinds": ("dk",)}), "warp_spec_kinds = \\('dk',\\)"),
 ])
 def test_bad_policies_are_refused_with_the_field_named(make, match):
     with pytest.raises(InputError, match=match):

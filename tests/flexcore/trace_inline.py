@@ -7,7 +7,8 @@ its body), so every decision in their bodies must read shapes alone. Run in its 
 test_inline_trace.py: it makes flexcore take its GPU code paths (no interpreter) and gives
 triton an sm_90 target for the write analysis, which compiles each kernel to TTIR.
 
-Usage: python -m tests.flexcore.trace_inline {forward|backward} {causal|document|none} [grad] [gqa]
+Usage: python -m tests.flexcore.trace_inline {forward|backward} {causal|document|none} [grad] [gqa] [two]
+(two: the backward in two launches, backward.fused "off")
 ("document": the score_mod and the mask_mod read one captured tensor of document ids)
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 
 def main(argv: list[str]) -> None:
     op, mask_kind = argv[0], argv[1]
-    grad, gqa = "grad" in argv, "gqa" in argv
+    grad, gqa, two = "grad" in argv, "gqa" in argv, "two" in argv
 
     import torch
 
@@ -86,7 +87,8 @@ def main(argv: list[str]) -> None:
         score = ops.record(alibi_by_document if mask_kind == "document" else alibi, "score", torch.float32, cpu)
         mask = None if mask_kind == "none" else ops.record(document if mask_kind == "document" else causal,
                                                            "mask", torch.float32, cpu)
-        policy = DispatchPolicy().replace(launch={"inline": "on", "inline_backward": "on"})
+        policy = DispatchPolicy().replace(launch={"inline": "on", "inline_backward": "on"},
+                                          backward={"fused": "off" if two else "auto"})
         call = ops.register_call(score.constants, None if mask is None else mask.constants, torch.bfloat16,
                                  "cuda", {"policy": policy}, False)
         q = torch.randn(B, Hq, L, D, device=cuda, dtype=torch.bfloat16)
