@@ -411,11 +411,7 @@ def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd
     if not hopper.backward_may_apply(q, opts):
         return None
     if exact_delta:
-        if opts.dispatch.gluon.backward == "on":
-            raise InputError("the Gluon backward kernels were required (policy.gluon.backward='on') but "
-                             "cannot serve this call: the sinks want a gradient, whose delta = rowsum(P * dP) "
-                             "only the Triton template computes (policy.backward.exact_delta); use "
-                             "gluon.backward='auto', or backward.exact_delta=False to read delta from the output")
+        _refuse_forced_gluon(q, opts)
         return None
     L, S = q.shape[2], k.shape[2]
     sparse_q, sparse_kv = kv_blocks.sparse_block
@@ -570,6 +566,16 @@ def _delta_pass(kernel, args: tuple, common: dict, choice: BackwardChoice, q, k,
            tile_names=("DQ_BLOCK_M", "DQ_BLOCK_N"), policy=opts.dispatch.launch)
 
 
+def _refuse_forced_gluon(q, opts: KernelOptions) -> None:
+    """InputError where the policy forces the Gluon backward on a call that it could otherwise take
+    (hopper.backward_may_apply) but whose sinks want a gradient."""
+    if opts.dispatch.gluon.backward == "on" and hopper.backward_may_apply(q, opts):
+        raise InputError("the Gluon backward kernels were required (policy.gluon.backward='on') but "
+                         "cannot serve this call: the sinks want a gradient, whose delta = rowsum(P * dP) "
+                         "only the Triton template computes (policy.backward.exact_delta); use "
+                         "gluon.backward='auto', or backward.exact_delta=False to read delta from the output")
+
+
 def row_deltas(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,
                kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
                grad_lse=None):
@@ -581,6 +587,8 @@ def row_deltas(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lower
     grad_lse = _check_grad_lse(grad_lse, q, row_stats.dtype)
     module = backward_module(score_lowered, score_bwd_lowered, mask_lowered)
     choice = template_choice(q, k, v, grad_out, score_lowered, kv_blocks, q_blocks, opts, True)
+    if choice.exact_delta:
+        _refuse_forced_gluon(q, opts)
     row_terms, _ = _preprocess(module, out, grad_out, row_stats, choice.p_from_lse, grad_lse,
                                delta_from_out=not choice.exact_delta, opts=opts)
     delta = row_terms[0]

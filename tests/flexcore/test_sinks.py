@@ -298,9 +298,21 @@ def test_plans_take_each_calls_sinks(decided):
         assert_close_to_reference(out, gold, base, metric="rel_fro", atol=1e-6, name=f"plan out {sinks}")
 
 
-def test_deterministic_sink_gradient():
-    """KernelOptions(deterministic=True): two backward passes give bit-identical gradients of the
-    sinks (a torch reduction over rows) and of q, k, v and a captured tensor."""
+def test_deterministic_sink_gradient(monkeypatch):
+    """KernelOptions(deterministic=True): the backward's launches take the fixed-point sums of the
+    captured tensor's gradient, and two backward passes give bit-identical gradients of the sinks
+    (a torch reduction over rows) and of q, k, v and a captured tensor. The interpreter runs
+    atomics in order, so the bit-identity alone cannot fail here: the GPU test checks it there."""
+    from flexcore.kernels import backward as bwd
+
+    fixed_point, real_launch = [], bwd.launch
+
+    def spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
+        if "PHASE" in constexprs:
+            fixed_point.append(constexprs["FIXED_POINT_GRADS"])
+        return real_launch(kernel, grid, args, bm, bn, meta, constexprs, **kw)
+
+    monkeypatch.setattr(bwd, "launch", spy)
     gen = torch.Generator().manual_seed(seed_of("deterministic"))
     B, H, L, D = 2, 2, 96, 16
     q, k, v = (torch.randn(B, H, L, D, generator=gen).requires_grad_() for _ in range(3))
@@ -320,6 +332,28 @@ def test_deterministic_sink_gradient():
     for name, a, b in zip(["dq", "dk", "dv", "dsinks", "dslopes"], first, second):
         assert torch.equal(a, b), f"{name} differs between two deterministic runs"
     assert first[3].abs().min() > 0
+    assert fixed_point and all(fixed_point), fixed_point
+
+
+def test_forced_gluon_backward_rule_for_learning_sinks(monkeypatch):
+    """Where the Gluon backward could take a call (hopper.backward_may_apply, patched here to say so)
+    and the policy forces it, sinks that want a gradient are refused with what would serve them,
+    whether q, k and v learn too or the sinks alone (the pass that gives their delta). On the GPU:
+    test_forced_gluon_backward_refuses_learning_sinks."""
+    from flexcore.kernels import hopper
+
+    gen = torch.Generator().manual_seed(seed_of("forced-gluon-rule"))
+    B, H, L, D = 1, 2, 64, 16
+    q, k, v = (torch.randn(B, H, L, D, generator=gen) for _ in range(3))
+    sinks = make_sinks(H, gen)
+    opts = policy_options(gluon={"backward": "on"})
+    monkeypatch.setattr(hopper, "backward_may_apply", lambda q, opts: opts.dispatch.gluon.backward != "off")
+    monkeypatch.setattr(hopper, "applies_backward", lambda *args: False)  # the rest of its rule: not here
+    for q_learns in (True, False):
+        lq, ls = (t.detach().requires_grad_() for t in (q, sinks))
+        out = flex_attention(lq if q_learns else q, k, v, sinks=ls, kernel_options=opts)
+        with pytest.raises(InputError, match="sinks want a gradient.*exact_delta"):
+            torch.autograd.grad(out.sum(), [lq, ls] if q_learns else [ls])
 
 
 def test_paged_decode_with_sinks():
@@ -639,6 +673,9 @@ def test_forced_gluon_backward_refuses_learning_sinks():
     out = flex_attention(q, k, v, sinks=sinks, kernel_options=opts)
     with pytest.raises(InputError, match="sinks want a gradient.*exact_delta"):
         torch.autograd.grad(out.sum(), [q, sinks])
+    out = flex_attention(q.detach(), k.detach(), v.detach(), sinks=sinks, kernel_options=opts)
+    with pytest.raises(InputError, match="sinks want a gradient.*exact_delta"):  # the sinks alone learn
+        torch.autograd.grad(out.sum(), [sinks])
     out = flex_attention(q, k, v, sinks=sinks.detach(), kernel_options=opts)
     # A dense dO: the Gluon backward reads dO as (rows, D), which out.sum()'s expanded ones are not.
     grad_out = torch.randn(out.shape, generator=gen).cuda().bfloat16()
