@@ -481,7 +481,7 @@ def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
         kernel_grads = (query.requires_grad or key.requires_grad or value.requires_grad
                         or any(t.requires_grad for t in score_lowered.captured))
         if kernel_grads or (applied and sinks.requires_grad):
-            if kernel_grads and not call.prefetched:
+            if not call.prefetched:
                 _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, call.opts)
                 call.prefetched = True
             return (*_FlexAttention.apply(query, key, value, call, block_mask, blocks, score_mod,

@@ -613,7 +613,7 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     apply, but not where the caller reads delta with the exact-delta pass on."""
     # A sink's gradient, -sum over rows of p_sink * delta, adds up rowsum(dO * O)'s rounding of the
     # 16-bit output as a captured tensor's does: delta from the backward's own P and dP instead.
-    exact_wanted = opts.dispatch.backward.exact_delta and delta_wanted
+    exact_wanted = _row_rules(opts, q.element_size(), delta_wanted)[1]
     hopper_result = _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered,
                                      mask_lowered, kv_blocks, q_blocks, scale, opts, caps, grad_lse,
                                      exact_wanted)
