@@ -622,8 +622,11 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
         raise InputError("the FP8 (float8_e4m3fn) path of flex_attention runs eagerly, not under "
                          "torch.compile: call it outside the compiled region (torch.compiler.disable)")
     if torch.compiler.is_compiling():
+        # flexcore's forward op takes the sinks in, as an eager call's kernels do.
         out, lse, max_scores = ops.compiled_flex_attention(query, key, value, score_mod, block_mask,
-                                                           scale, enable_gqa, kernel_options, want_max)
+                                                           scale, enable_gqa, kernel_options, want_max,
+                                                           sinks)
+        sinks = None
     else:
         block_mask = coerce_block_mask(block_mask)  # a torch BlockMask, converted once
         out, lse, max_scores, applied = _eager(query, key, value, score_mod, block_mask, scale,
@@ -631,7 +634,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
         if applied:  # the forward kernel's epilogue took the sinks in (sinks_in_kernel)
             sinks = None
     if sinks is not None:
-        # Compiled calls, the decode kernel and FP8 calls whose sinks learn: after the kernels,
+        # Eager calls of the decode kernel and FP8 calls whose sinks learn: after the kernels,
         # from their (out, lse), differentiated by autograd through the kernels' lse (flexcore.sinks).
         out, lse = apply_sinks(out, lse, sinks)
     if return_aux is not None:

@@ -15,7 +15,7 @@ a call under ``torch.compile`` takes three steps while Dynamo traces it (flexcor
    key into a process-level registry, in the graph as a constant.
 3. ``flexcore::flex_attention_forward`` / ``flexcore::flex_attention_backward`` are custom ops
    with fake implementations and registered autograd, whose inputs are q, k, v, the BlockMask's
-   tables, the mods' tensors and numbers, and the key. At run time the programs are replayed on
+   tables, the mods' tensors and numbers, the key, and the learnable sinks (or None). At run time the programs are replayed on
    the numbers and lowered by the eager path's lowering (cached), so numbers are constants of the
    generated code as in an eager call, whether torch.compile kept them static or symbolic.
 """
@@ -37,7 +37,7 @@ from flexcore.errors import InputError, ModError
 from flexcore.lowering.indexcheck import decided_without_evaluation
 
 __all__ = ["record", "register_call", "compiled_flex_attention", "flex_attention_forward",
-           "flex_attention_backward"]
+           "flex_attention_backward", "flex_attention_sink_backward"]
 
 _LN2 = math.log(2.0)
 # Tags in recorded programs: a reference (_REF, where, index...) or a list (_LIST, items). The
@@ -560,7 +560,7 @@ _INPUTS = (", ".join(f"Tensor? {name}" for name in _TABLES)
            + ", Tensor[] score_captured, Tensor[] mask_captured, SymInt[] score_ints, "
              "float[] score_floats, SymInt[] mask_ints, float[] mask_floats, SymInt[] block, "
              "str call, float scale")
-_N_AFTER_TABLES = 10  # the inputs after the tables in _INPUTS
+_N_AFTER_TABLES = len(_INPUTS.split(",")) - len(_TABLES)  # the inputs after the tables in _INPUTS
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -577,19 +577,29 @@ _TAGS = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") 
 # (an aliasing check over every input and output, a dynamo-disable frame) cost more host time per
 # call than a small attention call's kernels take, and the outputs here are always fresh tensors.
 _lib = torch.library.Library("flexcore", "DEF")
-_lib.define(f"flex_attention_forward(Tensor query, Tensor key, Tensor value, {_INPUTS}) "
-            f"-> (Tensor, Tensor, Tensor)", tags=_TAGS)
+# ``sinks``: (Hq,) learnable sinks or None (flexcore.sinks); out, lse and row_stats include them.
+_lib.define(f"flex_attention_forward(Tensor query, Tensor key, Tensor value, {_INPUTS}, "
+            f"Tensor? sinks=None) -> (Tensor, Tensor, Tensor)", tags=_TAGS)
+# With ``sinks`` (and the forward's ``lse``, which includes them) the last output is [dL/dsinks],
+# else [].
 _lib.define(f"flex_attention_backward(Tensor query, Tensor key, Tensor value, Tensor out, "
-            f"Tensor row_stats, Tensor grad_out, Tensor? grad_lse, {_INPUTS}) "
-            f"-> (Tensor, Tensor, Tensor, Tensor[])", tags=_TAGS)
+            f"Tensor row_stats, Tensor grad_out, Tensor? grad_lse, {_INPUTS}, Tensor? lse=None, "
+            f"Tensor? sinks=None) -> (Tensor, Tensor, Tensor, Tensor[], Tensor[])", tags=_TAGS)
+_lib.define(f"flex_attention_sink_backward(Tensor query, Tensor key, Tensor value, Tensor out, "
+            f"Tensor row_stats, Tensor grad_out, Tensor? grad_lse, {_INPUTS}, Tensor lse, "
+            f"Tensor sinks) -> Tensor", tags=_TAGS)
+_SINKS_INPUT = 3 + len(_TABLES) + _N_AFTER_TABLES  # the forward op's ``sinks``
 
 
 def flex_attention_forward(query, key, value, kv_num_blocks, kv_indices, full_kv_num_blocks,
                            full_kv_indices, q_num_blocks, q_indices, full_q_num_blocks,
                            full_q_indices, score_captured, mask_captured, score_ints, score_floats,
-                           mask_ints, mask_floats, block, call, scale):
+                           mask_ints, mask_floats, block, call, scale, sinks=None):
     """(out, lse, row_stats) of a registered call (flexcore.kernels.forward.forward's contract;
-    the decoding kernel's row_stats are derived from its lse and row max)."""
+    the decoding kernel's row_stats are derived from its lse and row max). ``sinks`` are taken
+    in by the forward kernel's epilogue; the decode kernel takes none, so its (out, lse) get them
+    here (flexcore.sinks.apply_sinks) before its row_stats are derived: either way the row
+    statistics include the sink, which the backward kernels need (the sink column has no value)."""
     from flexcore import attention
 
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
@@ -598,10 +608,15 @@ def flex_attention_forward(query, key, value, kv_num_blocks, kv_indices, full_kv
     spec, _, block_mask, score, mask = _prepare(call, tables, block, score_captured, mask_captured,
                                                 numbers, query, key)
     B, Hq = query.shape[:2]
+    in_kernel = sinks is not None and attention.sinks_in_kernel(query, spec.opts)
     out, lse, row_stats, max_scores = attention.forward_kernels(
         query, key, value, score, mask, attention.kv_blocks(block_mask, B, Hq), scale, spec.opts,
-        spec.want_max)
+        spec.want_max, sinks=sinks if in_kernel else None)
     if row_stats is None:
+        if sinks is not None:
+            from flexcore.sinks import apply_sinks
+
+            out, lse = apply_sinks(out, lse, sinks)
         row_stats = attention.decode_row_stats(lse, max_scores)
     return out, lse, row_stats
 
@@ -628,10 +643,14 @@ def _forward_fake(query, key, value, *rest):
 def flex_attention_backward(query, key, value, out, row_stats, grad_out, grad_lse, kv_num_blocks,
                             kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
                             full_q_num_blocks, full_q_indices, score_captured, mask_captured,
-                            score_ints, score_floats, mask_ints, mask_floats, block, call, scale):
+                            score_ints, score_floats, mask_ints, mask_floats, block, call, scale,
+                            lse=None, sinks=None):
     """(dq, dk, dv, gradients of the score_mod's tensors that get one, in
-    ``CallSpec.score_grads`` order)."""
+    ``CallSpec.score_grads`` order, [dL/dsinks] or []). With ``sinks`` (``lse``: the forward's,
+    which includes them) the kernels also return the rows' delta, from which
+    flexcore.sinks.sink_gradient gives the sinks' gradient, as in an eager call."""
     from flexcore import attention
+    from flexcore.sinks import sink_gradient
 
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
               q_indices, full_q_num_blocks, full_q_indices)
@@ -639,10 +658,12 @@ def flex_attention_backward(query, key, value, out, row_stats, grad_out, grad_ls
     spec, lowered, block_mask, score, mask = _prepare(call, tables, block, score_captured,
                                                       mask_captured, numbers, query, key)
     B, Hq = query.shape[:2]
-    dq, dk, dv, grads = attention.backward_kernels(
+    dq, dk, dv, grads, *delta = attention.backward_kernels(
         query, key, value, out, row_stats, grad_out, grad_lse, score, spec.score_backward(lowered),
-        mask, block_mask, attention.kv_blocks(block_mask, B, Hq), scale, spec.opts)
-    return dq, dk, dv, _captured_grads_in_call_order(spec, lowered, score_captured, grads)
+        mask, block_mask, attention.kv_blocks(block_mask, B, Hq), scale, spec.opts,
+        return_delta=sinks is not None)
+    sink_grads = [] if sinks is None else [sink_gradient(lse, sinks, delta[0])]
+    return dq, dk, dv, _captured_grads_in_call_order(spec, lowered, score_captured, grads), sink_grads
 
 
 _lib.impl("flex_attention_backward", flex_attention_backward, "CompositeExplicitAutograd")
@@ -650,13 +671,45 @@ _lib.impl("flex_attention_backward", flex_attention_backward, "CompositeExplicit
 
 @torch.library.register_fake("flexcore::flex_attention_backward", lib=_lib)
 def _backward_fake(query, key, value, out, row_stats, grad_out, grad_lse, *rest):
-    score_captured, call = rest[len(_TABLES)], rest[-2]
+    score_captured, call = rest[len(_TABLES)], rest[len(_TABLES) + _N_AFTER_TABLES - 2]
+    sinks = rest[-1] if len(rest) > len(_TABLES) + _N_AFTER_TABLES else None
     spec = spec_of(call)
     contiguous = torch.contiguous_format
     return (torch.empty_like(query, memory_format=contiguous),
             torch.empty_like(key, memory_format=contiguous),
             torch.empty_like(value, memory_format=contiguous),
-            [torch.empty_like(score_captured[i], memory_format=contiguous) for i in spec.score_grads])
+            [torch.empty_like(score_captured[i], memory_format=contiguous) for i in spec.score_grads],
+            [] if sinks is None else [torch.empty_like(sinks, memory_format=contiguous)])
+
+
+def flex_attention_sink_backward(query, key, value, out, row_stats, grad_out, grad_lse,
+                                 kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                 q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
+                                 score_captured, mask_captured, score_ints, score_floats, mask_ints,
+                                 mask_floats, block, call, scale, lse, sinks):
+    """dL/dsinks alone, for a backward where only the sinks learn: the rows' delta without a
+    gradient kernel (flexcore.kernels.backward.row_deltas), then flexcore.sinks.sink_gradient."""
+    from flexcore import attention
+    from flexcore.sinks import sink_gradient
+
+    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
+              q_indices, full_q_num_blocks, full_q_indices)
+    numbers = (tuple(score_ints), tuple(score_floats), tuple(mask_ints), tuple(mask_floats))
+    spec, lowered, block_mask, score, mask = _prepare(call, tables, block, score_captured,
+                                                      mask_captured, numbers, query, key)
+    B, Hq = query.shape[:2]
+    delta = attention.row_delta_kernels(
+        query, key, value, out, row_stats, grad_out, grad_lse, score, spec.score_backward(lowered),
+        mask, block_mask, attention.kv_blocks(block_mask, B, Hq), scale, spec.opts)
+    return sink_gradient(lse, sinks, delta)
+
+
+_lib.impl("flex_attention_sink_backward", flex_attention_sink_backward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("flexcore::flex_attention_sink_backward", lib=_lib)
+def _sink_backward_fake(*args):
+    return torch.empty_like(args[-1], memory_format=torch.contiguous_format)
 
 
 def _grad_of_list(values):
@@ -670,18 +723,22 @@ def _setup_context(ctx, inputs, output):
     tables = inputs[3:3 + len(_TABLES)]
     rest = inputs[3 + len(_TABLES):]
     score_captured, mask_captured = rest[0], rest[1]
-    out, _, row_stats = output
+    # flexcore's forward op has ``sinks`` after the inputs that it shares with the inline op.
+    sinks = rest[_N_AFTER_TABLES] if len(rest) > _N_AFTER_TABLES else None
+    out, lse, row_stats = output
     ctx.mark_non_differentiable(row_stats)
+    # The sinks' gradient reads the forward's lse (p_sink = exp(sink - lse)).
     ctx.save_for_backward(query, key, value, out, row_stats, *[t for t in tables if t is not None],
-                          *score_captured, *mask_captured)
+                          *score_captured, *mask_captured, *(() if sinks is None else (lse, sinks)))
     ctx.present = tuple(t is not None for t in tables)
     ctx.counts = (len(score_captured), len(mask_captured))
-    ctx.rest = rest[2:]  # numbers, block, call, scale
+    ctx.has_sinks = sinks is not None
+    ctx.rest = rest[2:_N_AFTER_TABLES]  # numbers, block, call, scale
 
 
 def _backward(ctx, grad_out, grad_lse, _grad_row_stats, op=None):
     """The forward ops' registered backward: ``op`` (default flexcore's backward op) on the saved
-    inputs."""
+    inputs; where only the sinks learn, flexcore's sink backward op instead."""
     saved = list(ctx.saved_tensors)
     query, key, value, out, row_stats = saved[:5]
     it = iter(saved[5:])
@@ -689,19 +746,36 @@ def _backward(ctx, grad_out, grad_lse, _grad_row_stats, op=None):
     n_score, n_mask = ctx.counts
     score_captured = [next(it) for _ in range(n_score)]
     mask_captured = [next(it) for _ in range(n_mask)]
+    lse, sinks = (next(it), next(it)) if ctx.has_sinks else (None, None)
     no_grads = tuple(_grad_of_list(v) if isinstance(v, list) else None for v in ctx.rest)
+    # One gradient per input the op was called with: ``sinks`` (a default) may not have been.
+    n_inputs = len(ctx.needs_input_grad)
     if grad_out is None and grad_lse is None:
-        return (None,) * (3 + len(_TABLES)) + ([None] * n_score, [None] * n_mask) + no_grads
+        return ((None,) * (3 + len(_TABLES)) + ([None] * n_score, [None] * n_mask) + no_grads
+                + (None,))[:n_inputs]
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     call = ctx.rest[-2]
-    dq, dk, dv, cap_grads = (op or torch.ops.flexcore.flex_attention_backward.default)(
-        query, key, value, out, row_stats, grad_out, grad_lse, *tables, score_captured,
-        mask_captured, *ctx.rest)
+    needs = ctx.needs_input_grad
+    want_sinks = ctx.has_sinks and bool(needs[_SINKS_INPUT])
+    args = (query, key, value, out, row_stats, grad_out, grad_lse, *tables, score_captured,
+            mask_captured, *ctx.rest)
+    if want_sinks and not (any(needs[:3]) or any(needs[3 + len(_TABLES)])):
+        # Only the sinks learn: the rows' delta alone, no gradient kernel.
+        grad_sinks = torch.ops.flexcore.flex_attention_sink_backward.default(*args, lse, sinks)
+        return (None,) * (3 + len(_TABLES)) + ([None] * n_score, [None] * n_mask) + no_grads \
+            + (grad_sinks,)
+    if op is None:
+        dq, dk, dv, cap_grads, sink_grads = torch.ops.flexcore.flex_attention_backward.default(
+            *args, *((lse, sinks) if want_sinks else ()))
+    else:  # the inline op's backward (its forward takes no sinks)
+        dq, dk, dv, cap_grads = op(*args)
+        sink_grads = []
     grads = [None] * n_score
     for i, g in zip(spec_of(call).score_grads, cap_grads):
         grads[i] = g
-    return (dq, dk, dv, *[None] * len(_TABLES), grads, [None] * n_mask) + no_grads
+    return ((dq, dk, dv, *[None] * len(_TABLES), grads, [None] * n_mask) + no_grads
+            + (sink_grads[0] if want_sinks else None,))[:n_inputs]
 
 
 torch.library.register_autograd("flexcore::flex_attention_forward", _backward,
@@ -777,7 +851,7 @@ def flex_attention_backward_inline(
     found = inline_backward_call((query, key, value, *tables, *rest))
     if found is None:
         return torch.ops.flexcore.flex_attention_backward.default(
-            query, key, value, out, row_stats, grad_out, grad_lse, *tables, *rest)
+            query, key, value, out, row_stats, grad_out, grad_lse, *tables, *rest)[:4]
     spec, lowered, score, mask, (B, Hq, _, _) = found
     kv_blocks = q_blocks = None
     if kv_num_blocks is not None:
@@ -880,8 +954,9 @@ def inline_forward(spec: CallSpec, query: Tensor, key: Tensor, value: Tensor, nu
 # ----------------------------------------------------------------------------------------------
 
 def compiled_flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
-                            kernel_options, want_max: bool):
-    """flex_attention's body under torch.compile: (out, lse, max_scores or None)."""
+                            kernel_options, want_max: bool, sinks: Tensor | None = None):
+    """flex_attention's body under torch.compile: (out, lse, max_scores or None), with ``sinks``
+    (checked by the caller) in out and lse as in an eager call."""
     from flexcore.attention import check_call
 
     check_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
@@ -906,13 +981,17 @@ def compiled_flex_attention(query, key, value, score_mod, block_mask, scale, ena
     call = register_call(None if score is None else score.constants,
                          None if mask is None else mask.constants, query.dtype, device.type,
                          kernel_options, want_max)
+    args = (query, key, value, *tables, [] if score is None else score.captured,
+            [] if mask is None else mask.captured, [] if score is None else score.ints,
+            [] if score is None else score.floats, [] if mask is None else mask.ints,
+            [] if mask is None else mask.floats, block, call, scale)
     # On CUDA the inline op decides, with the shapes it is traced with, whether to launch the
-    # kernel itself or to call flexcore's forward op.
-    op = (torch.ops.flexcore.flex_attention_forward_inline.default if device.type == "cuda"
-          else torch.ops.flexcore.flex_attention_forward.default)
-    out, lse, row_stats = op(
-        query, key, value, *tables, [] if score is None else score.captured,
-        [] if mask is None else mask.captured, [] if score is None else score.ints,
-        [] if score is None else score.floats, [] if mask is None else mask.ints,
-        [] if mask is None else mask.floats, block, call, scale)
+    # kernel itself or to call flexcore's forward op. It takes no sinks: calls with them go to
+    # flexcore's forward op, whose kernels take them in and whose backward gives their gradient.
+    if sinks is not None:
+        out, lse, row_stats = torch.ops.flexcore.flex_attention_forward.default(*args, sinks)
+    elif device.type == "cuda":
+        out, lse, row_stats = torch.ops.flexcore.flex_attention_forward_inline.default(*args)
+    else:
+        out, lse, row_stats = torch.ops.flexcore.flex_attention_forward.default(*args)
     return out, lse, (row_stats[0] * _LN2 if want_max else None)

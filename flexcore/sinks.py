@@ -12,9 +12,10 @@ row statistics include it and the backward kernels run unchanged; the sink's gra
 a reduction over the rows' delta (:func:`sink_gradient`), which the backward kernels compute as
 rowsum(P · dP) from their own probabilities: equal in exact arithmetic (the sink column has no
 value), without the 16-bit output's rounding that this sum over every row would add up.
-Elsewhere (the decode kernel, compiled calls, FP8 calls whose sinks learn) flex_attention applies
-them after the kernels, from their own (out, lse), with torch ops that autograd differentiates
-(:func:`apply_sinks`): ``out' = out · exp(lse - lse') = out · sigmoid(lse - sink)``.
+Compiled calls take the same path through flexcore's ops (flexcore.ops). Elsewhere (eager calls
+of the decode kernel, FP8 calls whose sinks learn) flex_attention applies them after the kernels,
+from their own (out, lse), with torch ops that autograd differentiates (:func:`apply_sinks`):
+``out' = out · exp(lse - lse') = out · sigmoid(lse - sink)``.
 """
 from __future__ import annotations
 

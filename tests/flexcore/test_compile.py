@@ -360,26 +360,41 @@ def registered_call(L=64, seed=12, kernel_options=None):
     return args, slopes
 
 
-def test_opcheck_forward_op():
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_opcheck_forward_op(sinks):
     """Schema, fake implementation (shapes, dtypes, strides), autograd registration and tracing
-    with dynamic shapes, as torch.library checks them."""
+    with dynamic shapes, as torch.library checks them; with learnable sinks, whose gradient
+    the op's autograd gives."""
     args, _ = registered_call()
+    if sinks:
+        args = (*args, torch.randn(H, generator=torch.Generator().manual_seed(3), requires_grad=True))
     torch.library.opcheck(torch.ops.flexcore.flex_attention_forward.default, args)
 
 
-def test_opcheck_backward_op():
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
+def test_opcheck_backward_op(sinks):
     args, slopes = registered_call()
     q, k, v = (t.detach() for t in args[:3])
-    out, lse, row_stats = torch.ops.flexcore.flex_attention_forward(q, k, v, *args[3:])
+    with_sinks = (torch.randn(H, generator=torch.Generator().manual_seed(4)),) if sinks else ()
+    out, lse, row_stats = torch.ops.flexcore.flex_attention_forward(q, k, v, *args[3:], *with_sinks)
     grad_out, grad_lse = torch.randn_like(out), torch.randn_like(lse)
     score_caps = [t.detach() for t in args[11]]  # the backward op itself is not differentiable
-    bwd_args = (q, k, v, out, row_stats, grad_out, grad_lse, *args[3:11], score_caps, *args[12:])
+    bwd_args = (q, k, v, out, row_stats, grad_out, grad_lse, *args[3:11], score_caps, *args[12:],
+                *((lse, *with_sinks) if sinks else ()))
     # The backward op has no gradient of its own (no double backward): its aot_dispatch check,
     # which differentiates through the op, does not apply.
     torch.library.opcheck(torch.ops.flexcore.flex_attention_backward.default, bwd_args,
                           test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
-    dq, dk, dv, (dslopes,) = torch.ops.flexcore.flex_attention_backward(*bwd_args)
+    dq, dk, dv, (dslopes,), sink_grads = torch.ops.flexcore.flex_attention_backward(*bwd_args)
     assert dslopes.shape == slopes.shape and dslopes.abs().sum() > 0
+    assert len(sink_grads) == int(sinks)
+    if sinks:
+        # The sink backward op (only the sinks learn) gives the same gradient from the delta pass.
+        torch.library.opcheck(torch.ops.flexcore.flex_attention_sink_backward.default, bwd_args,
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+        alone = torch.ops.flexcore.flex_attention_sink_backward(*bwd_args)
+        assert alone.shape == (H,) and alone.dtype == with_sinks[0].dtype
+        torch.testing.assert_close(alone, sink_grads[0], rtol=1e-5, atol=1e-6)
 
 
 def test_inline_forward_op_against_float64():

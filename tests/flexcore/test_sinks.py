@@ -6,8 +6,9 @@ the LSE renormalisation that users apply today.
 
 The reference implements sinks independently (one more softmax column). Eager calls of the forward
 kernels (the Triton template here, under the interpreter; the Gluon forwards on a Hopper GPU) take
-the sink into their epilogue, with the sink's gradient from the backward's row deltas; decode,
-compiled and learnable-sink FP8 calls apply them after the kernels (flexcore.sinks.apply_sinks).
+the sink into their epilogue, with the sink's gradient from the backward's row deltas, eagerly and
+under torch.compile (flexcore's ops); eager decode and learnable-sink FP8 calls apply them after the
+kernels (flexcore.sinks.apply_sinks).
 Agreement checks the derivation as well as the kernels.
 """
 from __future__ import annotations
@@ -400,38 +401,203 @@ def test_paged_decode_with_sinks():
     torch.testing.assert_close(paged_aux.lse.double(), gold_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_matches_eager_without_graph_breaks():
-    """Under torch.compile (fullgraph) the sinks are torch ops around flexcore's custom op: no
-    graph break, and the outputs, lse and gradients (the sinks' included) are eager's."""
-    torch._dynamo.reset()
-    gen = torch.Generator().manual_seed(seed_of("compiled"))
-    B, H, L, D = 1, 2, 64, 16
-    q, k, v = (torch.randn(B, H, L, D, generator=gen).requires_grad_() for _ in range(3))
-    sinks = make_sinks(H, gen)
-    slopes = (0.1 * torch.rand(H, generator=gen)).requires_grad_()
-    g = torch.randn(B, H, L, D, generator=gen)
-    g_lse = torch.randn(B, H, L, generator=gen)
+@pytest.fixture
+def sink_paths(monkeypatch):
+    """Counts of where a call's sinks go: ``post_pass`` calls of flexcore.sinks.apply_sinks (the
+    pass after the kernels), ``forward_sinks`` forward-kernel calls given sinks, ``delta`` backward
+    kernel calls returning the rows' delta, ``kernels`` backward kernel calls, ``row_deltas`` calls
+    of the delta-only pass."""
+    from flexcore import attention, sinks as sinks_module
+
+    counts = dict.fromkeys(["post_pass", "forward_sinks", "delta", "kernels", "row_deltas"], 0)
+
+    def counting(real, name, key=None):
+        def wrapped(*args, **kwargs):
+            if key is None or kwargs.get(key) is not None and kwargs.get(key) is not False:
+                counts[name] += 1
+            return real(*args, **kwargs)
+        return wrapped
+
+    post_pass = counting(apply_sinks, "post_pass")
+    monkeypatch.setattr(sinks_module, "apply_sinks", post_pass)
+    monkeypatch.setattr(attention, "apply_sinks", post_pass)
+    monkeypatch.setattr(attention, "forward_kernels",
+                        counting(attention.forward_kernels, "forward_sinks", "sinks"))
+    real_backward = attention.backward_kernels
+    monkeypatch.setattr(attention, "backward_kernels", counting(
+        counting(real_backward, "delta", "return_delta"), "kernels"))
+    monkeypatch.setattr(attention, "row_delta_kernels",
+                        counting(attention.row_delta_kernels, "row_deltas"))
+    return counts
+
+
+# (dtype, Hq, Hkv): bf16 with grouped heads, where the sinks' gradient is hardest to get right, and
+# float64, which must stay exact; the inductor test runs the plain bf16 case. Each compiles for ~15 s.
+COMPILED_CASES = {"bf16": (torch.bfloat16, 4, 4), "fp64": (torch.float64, 4, 4),
+                  "bf16-gqa": (torch.bfloat16, 4, 2)}
+
+
+def _compiled_sinks_case(case, backend="aot_eager"):
+    """(compiled run, eager run, golden, baseline, names, sinks) of a causal call with learnable
+    sinks and a learnable ALiBi slope (a captured tensor's gradient) returning its lse: values of
+    mean 1 and sinks near log S, where the sinks' gradient is hardest to get right (a sum over
+    every row)."""
+    dtype, Hq, Hkv = COMPILED_CASES[case]
+    gen = torch.Generator().manual_seed(seed_of("compiled-sinks", case, backend))
+    B, L, D = 2, 128, 16
+    q = torch.randn(B, Hq, L, D, generator=gen).to(dtype).requires_grad_()
+    k = torch.randn(B, Hkv, L, D, generator=gen).to(dtype).requires_grad_()
+    v = (1.0 + torch.randn(B, Hkv, L, D, generator=gen)).to(dtype).requires_grad_()
+    sinks = make_sinks(Hq, gen, center=math.log(L))
+    slopes = (0.1 * torch.rand(Hq, generator=gen)).requires_grad_()
+    g = torch.randn(B, Hq, L, D, generator=gen).to(dtype)
+    g_lse = torch.randn(B, Hq, L, generator=gen).to(torch.float64 if dtype == torch.float64 else torch.float32)
     bm = create_block_mask(causal_with_a_masked_row(9), None, None, L, L, device="cpu", BLOCK_SIZE=32)
+    inputs = [q, k, v, sinks, slopes]
 
-    def fn(q, k, v, sinks):
-        def alibi(score, b, h, q_idx, kv_idx):
-            return score - slopes[h] * (q_idx - kv_idx).abs()
+    def call(attend, q, k, v, sinks, slopes, **kw):
+        out, lse = attend(q, k, v, score_mod=alibi_factory(slopes), block_mask=bm,
+                          enable_gqa=Hq != Hkv, sinks=sinks, **kw)
+        return [out, lse, *torch.autograd.grad((out * g.to(out.dtype)).sum()
+                                               + (lse * g_lse.to(lse.dtype)).sum(), [q, k, v, sinks, slopes])]
 
-        out, aux = flex_attention(q, k, v, score_mod=alibi, block_mask=bm, sinks=sinks,
-                                  return_aux=AuxRequest(lse=True))
+    def fn(q, k, v, sinks, slopes):
+        out, aux = flex_attention(q, k, v, score_mod=alibi_factory(slopes), block_mask=bm,
+                                  enable_gqa=Hq != Hkv, sinks=sinks, return_aux=AuxRequest(lse=True))
         return out, aux.lse
 
     def run(f):
-        out, lse = f(q, k, v, sinks)
-        grads = torch.autograd.grad((out * g).sum() + (lse * g_lse).sum(), [q, k, v, sinks, slopes])
-        return [out.detach(), lse.detach(), *grads]
+        out, lse = f(*inputs)
+        return [out.detach(), lse.detach(), *torch.autograd.grad(
+            (out * g).sum() + (lse * g_lse).sum(), inputs)]
 
-    assert torch._dynamo.explain(fn)(q, k, v, sinks).graph_break_count == 0
-    got = run(torch.compile(fn, fullgraph=True, backend="aot_eager"))
+    torch._dynamo.reset()
+    compiled = run(torch.compile(fn, fullgraph=True, backend=backend))
     eager = run(fn)
-    for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dsinks", "dslopes"], got, eager):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"compiled {name}")
-    assert torch.equal(got[1][:, :, 9], sinks.detach().view(1, -1).expand(B, -1))
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    golden = call(lambda *a, **kw: flex_attention_reference(*a, **kw, return_lse=True, upcast=True),
+                  *inputs64)
+    baseline = call(lambda *a, **kw: flex_attention_reference(*a, **kw, return_lse=True, upcast=False),
+                    *inputs)
+    return compiled, eager, golden, baseline, ["out", "lse", "dq", "dk", "dv", "dsinks", "dslopes"], sinks
+
+
+@pytest.mark.parametrize("case", ["fp64", "bf16-gqa"])
+def test_compiled_sinks_go_through_the_forward_op(case, sink_paths):
+    """Under torch.compile (fullgraph, aot_eager) flexcore's forward op takes the sinks into the
+    forward kernel's epilogue and its backward op gives their gradient from the rows' delta, as an
+    eager call does: no pass after the kernels runs, every result is within torch's own error of
+    the float64 golden (the sinks' gradient included: values of mean 1, sinks near log S), and
+    equal bit for bit to the eager call's (the same kernels on the same inputs)."""
+    compiled, eager, golden, baseline, names, sinks = _compiled_sinks_case(case)
+    assert sink_paths["post_pass"] == 0
+    assert sink_paths["forward_sinks"] == 2 and sink_paths["delta"] == 2  # compiled, then eager
+    for name, a, b, gold, base in zip(names, compiled, eager, golden, baseline):
+        assert_close_to_reference(a, gold, base, metric="rel_fro", atol=ATOL.get(a.dtype, 1e-6),
+                                  name=f"compiled {case}: {name}")
+        assert torch.equal(a, b), f"compiled {case}: {name} differs from the eager call's"
+    # Row 9 keeps no key: its lse is the sink.
+    assert torch.equal(compiled[1][:, :, 9], sinks.detach().view(1, -1).expand(2, -1))
+
+
+def test_compiled_sinks_without_graph_breaks():
+    """A call with sinks traces in one graph."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(seed_of("compiled-explain"))
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=gen).requires_grad_() for _ in range(3))
+    sinks = make_sinks(2, gen)
+    assert torch._dynamo.explain(lambda q, k, v, s: flex_attention(q, k, v, sinks=s))(
+        q, k, v, sinks).graph_break_count == 0
+
+
+def test_compiled_sinks_inductor():
+    """The default backend (Inductor) on the CPU: the same results as the eager call, bit for bit
+    (the op runs the same kernels on the same inputs; the loss is outside the compiled region)."""
+    compiled, eager, golden, baseline, names, _ = _compiled_sinks_case("bf16", backend="inductor")
+    for name, a, b, gold, base in zip(names, compiled, eager, golden, baseline):
+        assert_close_to_reference(a, gold, base, metric="rel_fro", atol=ATOL.get(a.dtype, 1e-6),
+                                  name=f"inductor: {name}")
+        assert torch.equal(a, b), f"inductor: {name} differs from the eager call's"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_compiled_sinks_alone_require_grad(dtype, sink_paths):
+    """Only the sinks learn (q, k, v frozen) under torch.compile: the backward runs no gradient
+    kernel, only the delta pass (flexcore's sink backward op), and matches the golden and the
+    eager call."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(seed_of("compiled-sinks-only", dtype))
+    B, H, L, D = 2, 4, 128, 16
+    q, k = (torch.randn(B, H, L, D, generator=gen).to(dtype) for _ in range(2))
+    v = (1.0 + torch.randn(B, H, L, D, generator=gen)).to(dtype)
+    sinks = make_sinks(H, gen, center=math.log(L))
+    g = torch.randn(B, H, L, D, generator=gen).to(dtype)
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, L, L, device="cpu",
+                           BLOCK_SIZE=32)
+
+    def fn(q, k, v, sinks):
+        return flex_attention(q, k, v, block_mask=bm, sinks=sinks)
+
+    def run(f):
+        out = f(q, k, v, sinks)
+        return [out.detach(), *torch.autograd.grad((out * g).sum(), sinks)]
+
+    got = run(torch.compile(fn, fullgraph=True, backend="aot_eager"))
+    assert sink_paths == {"post_pass": 0, "forward_sinks": 1, "delta": 0, "kernels": 0, "row_deltas": 1}
+    eager = run(fn)
+    sinks64 = sinks.detach().double().requires_grad_()
+    gold = flex_attention_reference(q.double(), k.double(), v.double(), block_mask=bm, sinks=sinks64)
+    golden = [gold.detach(), *torch.autograd.grad((gold * g.double()).sum(), sinks64)]
+    base = flex_attention_reference(q, k, v, block_mask=bm, sinks=sinks, upcast=False)
+    baseline = [base.detach(), *torch.autograd.grad((base * g).sum(), sinks)]
+    for name, a, b, gd, bs in zip(["out", "dsinks"], got, eager, golden, baseline):
+        assert_close_to_reference(a, gd, bs, metric="rel_fro", atol=1e-6, name=f"compiled {name}")
+        assert torch.equal(a, b), f"compiled {name} differs from the eager call's"
+
+
+def test_compiled_decode_with_sinks(sink_paths):
+    """A decoding-length query under torch.compile: the decode kernel takes no sinks, so
+    flexcore's forward op applies them to its (out, lse) and derives the row statistics from the
+    lse with the sink in; the backward kernels then give q, k, v and the sinks their gradients.
+    Out and lse are the eager call's (which applies them after the kernel, the same formula);
+    everything is within torch's own error of the float64 golden, with return_aux's max_scores."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(seed_of("compiled-decode"))
+    B, H, L, S, D = 2, 4, 8, 128, 16
+    q = torch.randn(B, H, L, D, generator=gen).requires_grad_()
+    k, v = (torch.randn(B, 2, S, D, generator=gen).requires_grad_() for _ in range(2))
+    sinks = make_sinks(H, gen, center=math.log(S))
+    g = torch.randn(B, H, L, D, generator=gen)
+    g_lse = torch.randn(B, H, L, generator=gen)
+    inputs = [q, k, v, sinks]
+
+    def fn(q, k, v, sinks):
+        out, aux = flex_attention(q, k, v, enable_gqa=True, sinks=sinks,
+                                  return_aux=AuxRequest(lse=True, max_scores=True))
+        return out, aux.lse, aux.max_scores
+
+    def run(f):
+        out, lse, max_scores = f(*inputs)
+        return [out.detach(), lse.detach(), max_scores, *torch.autograd.grad(
+            (out * g).sum() + (lse * g_lse).sum(), inputs)]
+
+    got = run(torch.compile(fn, fullgraph=True, backend="aot_eager"))
+    assert sink_paths["forward_sinks"] == 0 and sink_paths["delta"] == 1
+    eager = run(fn)
+    for name, a, b in zip(["out", "lse", "max_scores"], got, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"compiled decode {name}")
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    gold, gold_lse = flex_attention_reference(*inputs64[:3], enable_gqa=True, sinks=inputs64[3],
+                                              return_lse=True, upcast=True)
+    golden = [gold, gold_lse, *torch.autograd.grad((gold * g.double()).sum() + (gold_lse * g_lse.double()).sum(),
+                                                   inputs64)]
+    base, base_lse = flex_attention_reference(*inputs[:3], enable_gqa=True, sinks=sinks, return_lse=True,
+                                              upcast=False)
+    baseline = [base, base_lse, *torch.autograd.grad((base * g).sum() + (base_lse * g_lse).sum(), inputs)]
+    for name, a, gd, bs in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], got[:2] + got[3:], golden, baseline):
+        assert_close_to_reference(a, gd, bs, metric="rel_fro", atol=1e-6, name=f"compiled decode {name}")
+    scores = (q.detach().double() @ k.detach().double().repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(D)
+    torch.testing.assert_close(got[2].double(), scores.amax(-1), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -593,8 +759,9 @@ def test_deterministic_sink_gradient_gpu():
 
 @pytest.mark.gpu
 @needs_gpu
-def test_compiled_inductor_gpu():
-    """Inductor end to end on the GPU: one graph, eager's outputs and gradients."""
+def test_compiled_inductor_gpu(sink_paths):
+    """Inductor end to end on the GPU: one graph, eager's outputs and gradients; the sinks go
+    through flexcore's forward op (not the inline op, not a pass after the kernels)."""
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(seed_of("gpu-compiled"))
     B, H, L, D = 2, 8, 1024, 64
@@ -607,12 +774,15 @@ def test_compiled_inductor_gpu():
         return flex_attention(q, k, v, block_mask=bm, sinks=sinks)
 
     assert torch._dynamo.explain(fn)(q, k, v, sinks).graph_break_count == 0
+    sink_paths.update(dict.fromkeys(sink_paths, 0))  # explain ran the graph once
 
     def run(f):
         out = f(q, k, v, sinks)
         return [out.detach(), *torch.autograd.grad((out * g).sum(), [q, k, v, sinks])]
 
-    got, eager = run(torch.compile(fn, fullgraph=True)), run(fn)
+    got = run(torch.compile(fn, fullgraph=True))
+    assert sink_paths["post_pass"] == 0 and sink_paths["forward_sinks"] == 1 and sink_paths["delta"] == 1
+    eager = run(fn)
     for name, a, b in zip(["out", "dq", "dk", "dv", "dsinks"], got, eager):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2, msg=f"compiled {name}")
 
