@@ -126,7 +126,9 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
                 f"  dense path: {choice.dense} ({_switch('forward', 'dense', f.dense)}; every block full: "
                 f"{dense})",
                 f"  full-block runs: {choice.full_runs} ({_switch('forward', 'full_runs', f.full_runs)})",
-                f"  K/V through TMA descriptors: {choice.tma} ({_switch('forward', 'tma', f.tma)})",
+                f"  K/V through TMA descriptors: {choice.tma} ({_switch('forward', 'tma', f.tma)}, "
+                f"{forward.dense_flops(q, k, v):.3g} dense-equivalent FLOPs against tma_min_flops="
+                f"{f.tma_min_flops:.3g})",
                 f"  K/V host descriptors over all rows: {choice.k_desc is not None} "
                 f"({_switch('forward', 'kv_rows', f.kv_rows)}, head dims {f.kv_rows_head_dims})",
                 f"  warp-specialized candidates: {choice.q_desc_rows > 0} "

@@ -816,8 +816,8 @@ def flex_attention_forward_inline(
     spec, _, score, mask, grid = found
     B, Hq = grid[:2]
     attention.check_indices(score, mask, *grid, spec.opts)
-    blocks = None if kv_num_blocks is None else BlockTensors.expanded(
-        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, tuple(block[:2]), B, Hq)
+    blocks = None if kv_num_blocks is None else BlockTensors.broadcast(
+        kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, tuple(block[:2]))
     if key.shape[0] != B:  # a shared (batch 1) cache is read through stride-0 views
         key, value = key.expand(B, -1, -1, -1), value.expand(B, -1, -1, -1)
     return forward_inline(query, key, value, score, mask, blocks, scale, spec.opts)
@@ -856,10 +856,9 @@ def flex_attention_backward_inline(
     kv_blocks = q_blocks = None
     if kv_num_blocks is not None:
         bq, bkv = block[:2]
-        kv_blocks = BlockTensors.expanded(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                                          (bq, bkv), B, Hq)
-        q_blocks = BlockTensors.expanded(q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
-                                         (bkv, bq), B, Hq)
+        kv_blocks = BlockTensors.broadcast(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+                                           (bq, bkv))
+        q_blocks = BlockTensors.broadcast(q_num_blocks, q_indices, full_q_num_blocks, full_q_indices, (bkv, bq))
     shared = key.shape[0] != B  # a shared (batch 1) cache: read through stride-0 views, summed after
     dq, dk, dv, grads = backward_inline(
         query, key.expand(B, -1, -1, -1) if shared else key, value.expand(B, -1, -1, -1) if shared else value,

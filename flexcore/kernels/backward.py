@@ -38,7 +38,7 @@ from flexcore.kernels.forward import (check_tile, ensure_tma_allocator, fit_tile
 from flexcore.kernels.launch import (arg_key, direct_launches, get_plan, keep_plan, launch, out_of_resources,
                                      plan_key, recording, run)
 from flexcore.kernels.policy import DEFAULT_POLICY
-from flexcore.kernels.tables import BlockTensors, finer_tables, q_block_tensors, refine_key  # noqa: F401
+from flexcore.kernels.tables import BlockTensors, finer_tables, q_block_tensors, refine_key, table_strides  # noqa: F401
 from flexcore.options import KernelOptions
 
 _log = logging.getLogger("flexcore.dispatch")
@@ -534,9 +534,11 @@ def _template_args(q, k, v, grad_out, dq, dk, dv, row_stats, delta, kv_blocks: B
     fixed = (
         *q.stride(), *k.stride(), *v.stride(), *grad_out.stride(), *dq.stride(), *dk.stride(), *dv.stride(),
         kv_blocks.num_blocks, kv_blocks.indices, kn, ki,
-        *kv_blocks.num_blocks.stride(), *kv_blocks.indices.stride()[:3], *kn.stride(), *ki.stride()[:3],
+        *table_strides(kv_blocks.num_blocks), *table_strides(kv_blocks.indices)[:3], *table_strides(kn),
+        *table_strides(ki)[:3],
         q_blocks.num_blocks, q_blocks.indices, qn, qi,
-        *q_blocks.num_blocks.stride(), *q_blocks.indices.stride()[:3], *qn.stride(), *qi.stride()[:3],
+        *table_strides(q_blocks.num_blocks), *table_strides(q_blocks.indices)[:3], *table_strides(qn),
+        *table_strides(qi)[:3],
         B * Hq * L, L, S, Hq, Hkv, *scale_args(scale, q.dtype), *ws_rows)
     args = (q, k, v, grad_out, dq, dk, dv, row_stats, delta, *fixed, *caps, *grad_args)
     ws = ws_rows[0] > 0
@@ -727,8 +729,8 @@ def backward_inline(q, k, v, out, row_stats, grad_out, grad_lse, score_lowered, 
     if dense:
         # DENSE visits every tile as a full block and reads no table: stand-ins take the tables'
         # places, the full ones included (the template runs DENSE in its full-block loop).
-        kv_blocks, q_blocks = (BlockTensors(unread((B, Hq, 1)), unread((B, Hq, 1, 1)), unread((B, Hq, 1)),
-                                            unread((B, Hq, 1, 1)), _DENSE_SPARSE_BLOCK) for _ in range(2))
+        kv_blocks, q_blocks = (BlockTensors(unread((1, 1, 1)), unread((1, 1, 1, 1)), unread((1, 1, 1)),
+                                            unread((1, 1, 1, 1)), _DENSE_SPARSE_BLOCK) for _ in range(2))
     sparse_q, sparse_kv = kv_blocks.sparse_block
     trivial = score_lowered.is_trivial
     dkdv_tiles, dq_tiles = _tiles(opts, max(pad_head_dim(D), pad_head_dim(Dv)), q.element_size(), sparse_q,

@@ -18,7 +18,7 @@ from flexcore.kernels.codegen import load_kernel_module
 from flexcore.kernels.launch import (Tuned, arg_key, direct_launches, get_plan, keep_plan, launch, plan_key,
                                      recording)
 from flexcore.kernels.tables import (REFINE_BLOCK, BlockTensors, finer_tables, gather_stats,  # noqa: F401
-                                     longest_first, refine_key, versions)
+                                     longest_first, refine_key, table_strides, versions)
 from flexcore.options import KernelOptions
 
 _log = logging.getLogger("flexcore.dispatch")
@@ -155,6 +155,22 @@ def use_tma(tensors, head_dims_padded: bool, rule: str = "auto") -> bool:
             return False
     ensure_tma_allocator()
     return True
+
+
+def dense_flops(q, k, v) -> float:
+    """The call's dense-equivalent forward FLOPs, 2·B·Hq·L·S·(D + Dv): its size before the mask."""
+    B, H, L, D = q.shape
+    return 2.0 * B * H * L * k.shape[2] * (D + v.shape[3])
+
+
+def tma_rule(q, k, v, policy) -> str:
+    """The forward template's TMA rule for the call: the policy's, except that "auto" is "off" for
+    16-bit calls under ``policy.tma_min_flops`` (host descriptors and the scratch of device-side
+    ones cost 5-25 us of host time per call, more than a small kernel gains from them)."""
+    if (policy.tma == "auto" and q.dtype != FP8_DTYPE
+            and dense_flops(q, k, v) < policy.tma_min_flops):
+        return "off"
+    return policy.tma
 
 
 def ensure_tma_allocator() -> None:
@@ -505,7 +521,7 @@ def template_choice(q, k, v, score_lowered, module, blocks: BlockTensors, dense:
     head_dim_pad, head_dim_v_pad = pad_head_dim(D), pad_head_dim(Dv)
     # FP8 reads V key-major (flexcore.fp8.key_major): its descriptor runs over V's transpose.
     v_rows = v.transpose(2, 3) if q.dtype == FP8_DTYPE else v
-    tma = use_tma((k, v_rows), head_dim_pad == D and head_dim_v_pad == Dv, policy.tma)
+    tma = use_tma((k, v_rows), head_dim_pad == D and head_dim_v_pad == Dv, tma_rule(q, k, v, policy))
     runs = policy.full_runs and not dense and blocks.full_runs(q_rows)
     # Warp specialization only without captured tensors: a score_mod that loads from one inside
     # the loop (a relative-position table) gives wrong results under it (docs/decisions.md#dense-warp-specialization).
@@ -611,8 +627,8 @@ def _template_args(q, k, v, out, lse, row_stats, blocks: BlockTensors, order, q_
     fixed = (
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         blocks.num_blocks, blocks.indices, full_n, full_i,
-        *blocks.num_blocks.stride(), *blocks.indices.stride()[:3],
-        *full_n.stride(), *full_i.stride()[:3],
+        *table_strides(blocks.num_blocks), *table_strides(blocks.indices)[:3],
+        *table_strides(full_n), *table_strides(full_i)[:3],
         order if order is not None else blocks.num_blocks, math.ceil(L / sparse_q), q_desc_rows,
         B * Hq * L, L, S, Hq, *scale_args(scale, q.dtype),
         *(descales.layout if fp8 else (0,) * 7),
@@ -657,7 +673,7 @@ def forward_inline(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors | 
     Dv = v.shape[3]
     dense = blocks is None
     if dense:
-        zero = torch.zeros((B, Hq, 1), dtype=torch.int32, device=q.device)
+        zero = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
         blocks = BlockTensors(zero, zero.unsqueeze(-1), None, None, _DENSE_SPARSE_BLOCK)
     module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
     kernel = module.flex_forward_kernel

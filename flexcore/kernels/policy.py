@@ -64,17 +64,20 @@ class ForwardPolicy:
     """The Triton forward template's paths (flexcore.kernels.forward)."""
 
     #: K/V tiles through tensor descriptors (TMA). auto: on Hopper or later for 2-byte dtypes with
-    #: aligned rows; on: wherever the layout allows, also without that GPU check; off: never.
+    #: aligned rows, in calls of at least tma_min_flops dense-equivalent FLOPs (below it the
+    #: descriptors' host time outweighs their few percent of kernel time); on: wherever the layout
+    #: allows, also without those checks; off: never.
     tma: Switch = "auto"
+    tma_min_flops: float = 5e10
     #: K and V through descriptors made on the host over all their rows. auto: at kv_rows_head_dims;
     #: on: at every head dim where the layout allows; off: never.
     kv_rows: Switch = "auto"
     kv_rows_head_dims: tuple[int, ...] = (128,)
     #: Masks whose blocks are all full skip the tables (the dense path).
     dense: bool = True
-    #: Warp-specialized candidates on the dense path. auto: autotuned in beside the others; on: the
-    #: dense path takes only them (also under the interpreter, which runs the loop unspecialized);
-    #: off: never.
+    #: Warp-specialized candidates on the dense path, where K/V go through descriptors (tma). auto:
+    #: autotuned in beside the others; on: the dense path takes only them (also under the
+    #: interpreter, which runs the loop unspecialized); off: never.
     warp_spec: Switch = "auto"
     #: Full blocks that form one run per row are stepped over without reading their indices.
     full_runs: bool = True

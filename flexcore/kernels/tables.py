@@ -14,9 +14,16 @@ from flexcore._runtime import capturing
 REFINE_BLOCK = 64
 
 
+def table_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s strides as the kernels take a table's, 0 on every dim of size 1: a table of batch or
+    head 1 serves every batch or head without an expanded view."""
+    return tuple(0 if n == 1 else st for n, st in zip(t.shape, t.stride()))
+
+
 @dataclass(frozen=True)
 class BlockTensors:
-    """The BlockMask tensors a kernel reads, expanded to (B, H, ...) (stride 0 where broadcast)."""
+    """The BlockMask tensors a kernel reads, (B, H, ...) or of batch or head 1 (the kernels read
+    them through :func:`table_strides`)."""
 
     num_blocks: torch.Tensor
     indices: torch.Tensor
@@ -32,6 +39,12 @@ class BlockTensors:
     # None; ``compute`` False answers
     # only what is already known (inside a CUDA graph capture). Set by flexcore.attention.
     refine: object = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def broadcast(cls, num_blocks, indices, full_num_blocks, full_indices, sparse_block) -> "BlockTensors":
+        """Tables of shape (1 or B, 1 or H, ...) as they are, for a kernel that reads them through
+        :func:`table_strides`: inside compiled graphs each expanded view is one more step per call."""
+        return cls(num_blocks, indices, full_num_blocks, full_indices, tuple(sparse_block))
 
     @classmethod
     def expanded(cls, num_blocks, indices, full_num_blocks, full_indices, sparse_block,

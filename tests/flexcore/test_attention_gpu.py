@@ -63,10 +63,11 @@ def test_forward_warp_specialized_dense_gpu(monkeypatch, shape, mod_name):
     # lengths with GQA (tiles overlapping the next head's query rows). A score_mod that reads a
     # captured tensor (relative_table) keeps the unspecialized loop: under warp specialization
     # its results were wrong. The Gluon kernel (flexcore.kernels.hopper), which would serve noop
-    # at head dim 128 on Hopper, is switched off: this tests the template.
+    # at head dim 128 on Hopper, is switched off: this tests the template. The loops read Q through
+    # a descriptor: TMA at every size.
     from flexcore.kernels import forward as fwd
 
-    opts = policy_options(forward={"warp_spec": "on"}, gluon={"dense": "off"})
+    opts = policy_options(forward={"warp_spec": "on", "tma_min_flops": 0}, gluon={"dense": "off"})
     seen = []
     real = fwd._launcher
 
@@ -203,7 +204,10 @@ def test_plans_gpu(monkeypatch, decided, shape, mod_name, learnable):
     gen = torch.Generator().manual_seed(seed_of("plans_gpu", shape.name, mod_name, learnable))
     score_mod, gold_mod, caps, caps64, bm, refill = case_mods(shape, mod_name, learnable, gen, "cuda")
 
-    def call(what, generator=gen, opts=None):
+    # Descriptors at every size, so that the host-descriptor and warp-specialized cases keep them.
+    descriptors = {"tma_min_flops": 0}
+
+    def call(what, generator=gen, opts=policy_options(forward=descriptors)):
         return check_call(shape, torch.bfloat16, generator, score_mod, gold_mod, caps, caps64, bm,
                            what, device="cuda", kernel_options=opts)
 
@@ -219,7 +223,8 @@ def test_plans_gpu(monkeypatch, decided, shape, mod_name, learnable):
     assert decided == after_tuning, decided  # the later calls ran the plans
     seed = seed_of("plans_gpu_same", shape.name, mod_name)
     planned = call("plan", torch.Generator().manual_seed(seed))
-    full = call("full path", torch.Generator().manual_seed(seed), policy_options(launch={"plans": False}))
+    full = call("full path", torch.Generator().manual_seed(seed),
+                policy_options(forward=descriptors, launch={"plans": False}))
     for name, a, b in zip(["out", "dq", "dk", "dv"], planned, full):
         assert torch.equal(a, b), name
 

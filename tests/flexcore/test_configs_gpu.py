@@ -10,6 +10,7 @@ import torch
 
 from flexcore.kernels.decode import _GPU_CONFIGS as DECODE_CONFIGS
 from flexcore.kernels.forward import gpu_configs
+from flexcore.kernels.policy import DEFAULT_POLICY
 from tests.flexcore.cases import Shape
 from tests.flexcore.compare import seed_of
 from tests.flexcore.helpers import check_decode, check_forward
@@ -30,7 +31,10 @@ FORWARD_CASES = [(d, dtype, cfg) for d in (64, 128, 256) for dtype in (torch.bfl
 def test_forward_config(head_dim, dtype, config, mod_name):
     block_m, block_n, warps, stages = config
     shape = Shape(f"cfg{head_dim}", B=1, Hq=4, Hkv=2, L=1000, S=1531, D=head_dim, Dv=head_dim, block=128)
-    options = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages}
+    # Descriptors (TMA) at every size, as larger calls take them on Hopper; small calls' pointer
+    # loads are what the other GPU tests run.
+    options = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+               "policy": DEFAULT_POLICY.replace(forward={"tma_min_flops": 0})}
     check_forward(shape, mod_name, dtype, seed=seed_of(mod_name, config, head_dim),
                   kernel_options=options, device="cuda")
 

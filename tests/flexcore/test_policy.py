@@ -35,6 +35,30 @@ def test_defaults_and_values():
         forward={"refine": "off"}, backward={"fused": "on"})))
 
 
+def test_forward_tma_rule_by_size():
+    """The template's TMA "auto" is "off" for 16-bit calls under tma_min_flops dense-equivalent
+    FLOPs (their descriptors' host time outweighs the gain); FP8, explicit rules and larger calls
+    keep the policy's rule."""
+    from flexcore.fp8 import FP8_DTYPE
+    from flexcore.kernels.forward import dense_flops, tma_rule
+
+    def qkv(B, H, L, D, dtype=torch.bfloat16, S=None):
+        q = torch.empty(B, H, L, D, dtype=dtype, device="meta")
+        k = torch.empty(B, 1, S or L, D, dtype=dtype, device="meta")  # K/V heads do not count: GQA
+        return q, k, k
+
+    small, large = qkv(2, 16, 1024, 128), qkv(4, 16, 2048, 128)
+    assert dense_flops(*small) == 2 * 2 * 16 * 1024 * 1024 * 256
+    assert dense_flops(*qkv(1, 4, 1, 64, S=4096)) == 2 * 4 * 4096 * 128  # a decode-like row
+    rule = DEFAULT_POLICY.forward
+    assert dense_flops(*small) < rule.tma_min_flops <= dense_flops(*large)
+    assert tma_rule(*small, rule) == "off" and tma_rule(*large, rule) == "auto"
+    assert tma_rule(*qkv(2, 16, 1024, 128, FP8_DTYPE), rule) == "auto"
+    assert tma_rule(*small, ForwardPolicy(tma="on")) == "on"
+    assert tma_rule(*large, ForwardPolicy(tma="off")) == "off"
+    assert tma_rule(*small, ForwardPolicy(tma_min_flops=0)) == "auto"
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: ForwardPolicy(refine=True), r"ForwardPolicy.refine = True: expected one of \['auto', 'on', 'off'\]"),
     (lambda: ForwardPolicy(dense="yes"), "ForwardPolicy.dense = 'yes': expected True or False"),
