@@ -3,9 +3,9 @@
 The preprocessing kernel computes delta = rowsum(dO * O) - grad_lse (the lse's gradient, when the
 loss reads the lse: d lse_i / d s_ij = P_ij, so dS = P * (dP - delta) takes it whole); then
 ``flex_bwd_kernel`` runs its dK/dV programs and its dQ programs, in one launch or two (see
-the policy's ``backward.fused``). Where gradients of captured tensors or of sinks are wanted, a launch of the
-dQ programs' grid first recomputes delta as rowsum(P * dP) - grad_lse from the backward's own probabilities
-(the policy's ``backward.exact_delta``). float64 inputs are computed in float64 throughout (see
+the policy's ``backward.fused``). Where gradients of captured tensors are wanted, a launch of the dQ
+programs' grid first recomputes delta as rowsum(P * dP) - grad_lse from the backward's own probabilities;
+where only sinks' are, the dQ programs sum it beside dQ (the policy's ``backward.exact_delta``). float64 inputs are computed in float64 throughout (see
 ``flexcore.kernels.forward.scale_args``).
 
 dQ, dK and dV never use atomics (each program owns its rows), so they are bit-identical across runs.
@@ -98,11 +98,12 @@ _FINE_DQ_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 #   reading every tile through descriptors over all rows; they need 16-bit inputs (lse2), no GQA,
 #   sequences that divide the tiles, layouts that such descriptors can read, no captured tensors
 #   and, on the GPU, 8-warp tiles for both kinds of program (docs/decisions.md#dense-warp-specialization).
-# - exact_delta: where captured tensors or sinks want gradients, delta = rowsum(P * dP) by an extra
-#   pass over the dQ programs' grid: rowsum(dO * O) carries the forward's 16-bit rounding, which a
-#   one-signed mod derivative (an ALiBi slope's |i - j|) or a sink's p_sink adds up over the rows
-#   (docs/decisions.md#exact-delta). The Gluon backward has no such pass: sinks that learn take
-#   the template.
+# - exact_delta: where captured tensors or sinks want gradients, delta = rowsum(P * dP):
+#   rowsum(dO * O) carries the forward's 16-bit rounding, which a one-signed mod derivative (an
+#   ALiBi slope's |i - j|) or a sink's p_sink adds up over the rows (docs/decisions.md#exact-delta).
+#   Captured tensors' gradients read it in dS, so an extra pass over the dQ programs' grid computes
+#   it first; a sink's gradient reads it only after, so the dQ programs sum it beside dQ (ROW_SUMS).
+#   The Gluon backward has neither: sinks that learn take the template.
 # - fused, fused_head_dims: one launch for both kinds of program, timed against two per kernel
 #   and size bucket (_tune_layout).
 # Kernels (module, tiles, constexprs) whose single launch ran out of shared memory: they run as two.
@@ -212,8 +213,9 @@ def backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered
         return_delta: also return the rows' delta, rowsum(dO * O) - grad_lse (B, Hq, L) in the
             row statistics' dtype, which the kernels computed (a sink's gradient reads it). Where
             the policy's ``backward.exact_delta`` is on, it is computed as rowsum(P * dP) - grad_lse
-            from the backward's own probabilities (the pass that captured tensors' gradients take,
-            run by the Triton template: the Gluon kernels have none), equal to it in exact arithmetic.
+            from the backward's own probabilities (by the Triton template's dQ programs, or by the
+            pass that captured tensors' gradients take: the Gluon kernels have neither), equal to
+            it in exact arithmetic.
 
     Returns:
         (dq, dk, dv, captured_grads): dq, dk, dv in the dtypes and shapes of q, k, v;
@@ -336,12 +338,13 @@ class _BackwardPlan:
     preprocessing and backward kernels as they ran (one launch or two), their grids and integer
     arguments."""
 
-    __slots__ = ("pre", "launches", "pre_fixed", "fixed", "rows_shape", "acc_dtype", "p_from_lse")
+    __slots__ = ("pre", "launches", "pre_fixed", "fixed", "rows_shape", "acc_dtype", "p_from_lse", "sums_slot")
 
-    def __init__(self, launches, pre_fixed, fixed, rows_shape, acc_dtype, p_from_lse):
+    def __init__(self, launches, pre_fixed, fixed, rows_shape, acc_dtype, p_from_lse, sums_slot=0):
         self.pre, self.launches = launches[0], tuple(launches[1:])
         self.pre_fixed, self.fixed = pre_fixed, fixed
         self.rows_shape, self.acc_dtype, self.p_from_lse = rows_shape, acc_dtype, p_from_lse
+        self.sums_slot = sums_slot
 
     def __call__(self, q, k, v, out, row_stats, grad_out, caps, captured, grad_of, deterministic,
                  grad_lse=None):
@@ -349,7 +352,7 @@ class _BackwardPlan:
         row_terms = torch.empty(self.rows_shape, dtype=self.acc_dtype, device=device)
         delta = row_terms[0]
         entry, grid = self.pre
-        entry.launch(grid, (out, grad_out, delta, row_stats, row_terms[-1],
+        entry.launch(grid, (out, grad_out, delta, row_stats, row_terms[1 if self.p_from_lse else 0],
                             delta if grad_lse is None else grad_lse, *self.pre_fixed))
         if self.p_from_lse:
             row_stats = row_terms[1]
@@ -361,23 +364,26 @@ class _BackwardPlan:
         args = (q, k, v, grad_out, dq, dk, dv, row_stats, delta, *self.fixed, *caps, *grad_args)
         for entry, grid in self.launches:
             entry.launch(grid, args)
+        if self.sums_slot:
+            delta = _summed_delta(row_terms, self.sums_slot, grad_lse)
         return dq, dk, dv, _captured_grads(captured, grad_buffers, deterministic), delta
 
 
 def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool, grad_lse=None, delta_from_out=True,
-                opts: KernelOptions | None = None):
+                opts: KernelOptions | None = None, row_sums: bool = False):
     """delta = rowsum(dO * O) - grad_lse (without the rowsum where not ``delta_from_out``: the
     PHASE 3 pass adds its own), and with ``p_from_lse`` the rows' lse2 = m + log2(l), in one buffer
-    (1 or 2, B, Hq, L) of the accumulation dtype; and the preprocessing launch's integer arguments."""
+    (slots, B, Hq, L) of the accumulation dtype, with a last slot left for the dQ programs' row sums
+    where ``row_sums`` (_row_sums_slot); and the preprocessing launch's integer arguments."""
     B, Hq, L, _ = out.shape
     fp64 = out.dtype == torch.float64
-    row_terms = torch.empty((2 if p_from_lse else 1, B, Hq, L), dtype=torch.float64 if fp64 else torch.float32,
-                            device=out.device)
+    row_terms = torch.empty(((2 if p_from_lse else 1) + row_sums, B, Hq, L),
+                            dtype=torch.float64 if fp64 else torch.float32, device=out.device)
     grid, pre_fixed, constexprs = _preprocess_launch(out, grad_out, p_from_lse, grad_lse is not None,
                                                      delta_from_out)
     # An absent grad_lse is not read (HAS_GRAD_LSE): delta's buffer stands in for the pointer.
     run(module.flex_bwd_preprocess, grid,
-        (out, grad_out, row_terms[0], row_stats, row_terms[-1],
+        (out, grad_out, row_terms[0], row_stats, row_terms[1 if p_from_lse else 0],
          row_terms[0] if grad_lse is None else grad_lse, *pre_fixed),
         constexprs, (DEFAULT_POLICY if opts is None else opts.dispatch).launch)
     return row_terms, pre_fixed
@@ -392,6 +398,13 @@ def _preprocess_launch(out, grad_out, p_from_lse: bool, has_grad_lse: bool, delt
                       ACC_FP64=out.dtype == torch.float64, P_FROM_LSE=p_from_lse, HAS_GRAD_LSE=has_grad_lse,
                       DELTA_FROM_OUT=delta_from_out)
     return (math.ceil(L / block_m), B * Hq), fixed, constexprs
+
+
+def _summed_delta(row_terms, slot: int, grad_lse):
+    """A sink's delta from the dQ programs' row sums (slot ``slot`` of ``row_terms``): rowsum(P * dP)
+    - grad_lse, as the PHASE 3 pass stores it."""
+    sums = row_terms[slot]
+    return sums if grad_lse is None else sums - grad_lse
 
 
 def _row_rules(opts: KernelOptions, itemsize: int, sums_delta: bool) -> tuple[bool, bool]:
@@ -642,10 +655,14 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     p_from_lse = choice.p_from_lse
     grad_buffers, grad_args = _grad_buffers(captured, score_bwd_lowered.grad_of, opts.deterministic,
                                             q.device)
-    exact_delta = choice.exact_delta
+    # Where only a sink's gradient reads the exact delta, the dQ programs sum it beside dQ (ROW_SUMS)
+    # and dS takes rowsum(dO * O): no pass before (captured tensors' gradients need it in dS).
+    row_sums = choice.exact_delta and delta_wanted and not score_bwd_lowered.grad_of
+    exact_delta = choice.exact_delta and not row_sums
     row_terms, pre_fixed = _preprocess(module, out, grad_out, row_stats, p_from_lse, grad_lse,
-                                       delta_from_out=not exact_delta, opts=opts)
+                                       delta_from_out=not exact_delta, opts=opts, row_sums=row_sums)
     delta = row_terms[0]
+    sums_slot = row_terms.shape[0] - 1 if row_sums else 0
     if p_from_lse:
         row_stats = row_terms[1]  # the kernel reads lse2 where it read the row max, and no 1/l
 
@@ -655,6 +672,8 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     gqa = Hq // Hkv
     args, fixed, common = _template_args(q, k, v, grad_out, dq, dk, dv, row_stats, delta, kv_blocks, q_blocks,
                                          scale, opts, score_lowered, caps, grad_args, choice)
+    if sums_slot:
+        common["ROW_SUMS"] = sums_slot
     kernel = module.flex_bwd_kernel
     launching = policy.launch
     if exact_delta:
@@ -697,9 +716,11 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     ran_fused = bool(fused) and run_fused()
     if not ran_fused:
         run_split()
+    if sums_slot:
+        delta = _summed_delta(row_terms, sums_slot, grad_lse)
     result = (dq, dk, dv, _captured_grads(captured, grad_buffers, opts.deterministic), delta)
     return result, (lambda launches: _BackwardPlan(launches, pre_fixed, fixed, row_terms.shape, row_terms.dtype,
-                                                   p_from_lse), (2 if ran_fused else 3) + exact_delta)
+                                                   p_from_lse, sums_slot), (2 if ran_fused else 3) + exact_delta)
 
 
 def backward_inline(q, k, v, out, row_stats, grad_out, grad_lse, score_lowered, score_bwd_lowered, mask_lowered,

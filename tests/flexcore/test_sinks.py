@@ -157,6 +157,48 @@ def test_sink_gradient_reads_no_rounded_output(case):
                             alibi=False, what=f"rounded-out/{case}", sink_center=math.log(256), value_mean=1.0)
 
 
+@pytest.mark.parametrize("captured_learns", [False, True], ids=["sinks", "sinks+slopes"])
+def test_where_the_sinks_delta_is_summed(monkeypatch, captured_learns):
+    """The exact delta that a sink's gradient reads: without a learning captured tensor the dQ
+    programs sum it beside dQ (ROW_SUMS, no pass before); a captured tensor's gradient reads it
+    in dS, so then the PHASE 3 pass computes it first. Both match the float64 reference."""
+    from flexcore.kernels import backward as bwd
+
+    launched, real_launch = [], bwd.launch
+
+    def spy(kernel, grid, args, bm, bn, meta, constexprs, **kw):
+        if "PHASE" in constexprs:
+            launched.append((constexprs["PHASE"], constexprs.get("ROW_SUMS", 0)))
+        return real_launch(kernel, grid, args, bm, bn, meta, constexprs, **kw)
+
+    monkeypatch.setattr(bwd, "launch", spy)
+    gen = torch.Generator().manual_seed(seed_of("sinks-delta", captured_learns))
+    B, H, L, D = 2, 2, 128, 16
+    q, k = (torch.randn(B, H, L, D, generator=gen, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
+    v = (1.0 + torch.randn(B, H, L, D, generator=gen)).to(torch.bfloat16).requires_grad_()
+    sinks = make_sinks(H, gen, center=math.log(L))
+    slopes = (0.1 * torch.rand(H, generator=gen)).requires_grad_(captured_learns)
+    g = torch.randn(B, H, L, D, generator=gen, dtype=torch.bfloat16)
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, L, L, device="cpu",
+                           BLOCK_SIZE=32)
+    out = flex_attention(q, k, v, score_mod=alibi_factory(slopes), block_mask=bm, sinks=sinks)
+    (dsinks,) = torch.autograd.grad((out * g).sum(), [sinks])
+    sinks64 = sinks.detach().double().requires_grad_()
+    gold = flex_attention_reference(q.double(), k.double(), v.double(), score_mod=alibi_factory(slopes.double()),
+                                    block_mask=bm, sinks=sinks64)
+    (golden,) = torch.autograd.grad((gold * g.double()).sum(), sinks64)
+    base = flex_attention_reference(q, k, v, score_mod=alibi_factory(slopes), block_mask=bm, sinks=sinks,
+                                    upcast=False)
+    (baseline,) = torch.autograd.grad((base * g).sum(), sinks)
+    assert_close_to_reference(dsinks, golden, baseline, metric="rel_fro", atol=1e-6, name="dsinks")
+    phases = {phase for phase, _ in launched}
+    if captured_learns:
+        assert 3 in phases and all(sums == 0 for _, sums in launched), launched
+    else:
+        assert 3 not in phases and launched, launched
+        assert all(sums > 0 for phase, sums in launched if phase in (0, 2)), launched
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_sinks_alone_require_grad(decided, dtype):
     """Only the sinks learn (q, k, v frozen): the forward kernel takes them in and the backward
