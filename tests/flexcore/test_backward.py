@@ -318,9 +318,10 @@ def test_vjp_lowering_reads_no_handwritten_derivative():
 
 
 def test_gradcheck_float64():
-    # L=20 keeps the square kernel (not decode); float64 runs end to end for gradcheck.
+    # Every entry of the Jacobian (test_float64 checks random directions at default tolerances):
+    # L=20 keeps the square kernel (not decode), D=4 keeps the entries few; float64 end to end.
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 1, 20, 16, generator=gen, dtype=torch.float64).requires_grad_()
+    q, k, v = (torch.randn(1, 1, 20, 4, generator=gen, dtype=torch.float64).requires_grad_()
                for _ in range(3))
     slope = torch.rand(1, generator=gen, dtype=torch.float64).requires_grad_()
 

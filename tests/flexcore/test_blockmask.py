@@ -273,17 +273,18 @@ def recording_mod(mod, sizes):
     return recorded
 
 
-@pytest.mark.parametrize("budget,block_size", [(30000, 16), (3000, 16), (3000, (16, 32)),
-                                                (100, 32), (40, 16)],
+# The tiny budget splits every block into thousands of chunks: one batch and head keep it short.
+@pytest.mark.parametrize("budget,block_size,B,H", [(30000, 16, 2, 3), (3000, 16, 2, 3), (3000, (16, 32), 2, 3),
+                                                  (100, 32, 2, 3), (40, 16, 1, 1)],
                          ids=["q_strips", "kv_runs", "kv_runs_rect", "inside_blocks", "tiny"])
-def test_chunked_classification_is_bounded_and_exact(monkeypatch, budget, block_size):
+def test_chunked_classification_is_bounded_and_exact(monkeypatch, budget, block_size, B, H):
     Q, KV = 97, 131
     mod = mask_families(Q, KV, seed=21)["prefix_or_sliding_document"]
-    reference = create_block_mask(mod, 2, 3, Q, KV, device="cpu", BLOCK_SIZE=block_size)
+    reference = create_block_mask(mod, B, H, Q, KV, device="cpu", BLOCK_SIZE=block_size)
     monkeypatch.setattr(bmod, "_CHUNK_ELEMENTS", budget)
     monkeypatch.setattr(bmod, "_TABLE_CHUNK_ELEMENTS", 50)
     sizes = []
-    chunked = create_block_mask(recording_mod(mod, sizes), 2, 3, Q, KV, device="cpu",
+    chunked = create_block_mask(recording_mod(mod, sizes), B, H, Q, KV, device="cpu",
                                 BLOCK_SIZE=block_size)
     assert len(sizes) > 1 and max(sizes) <= budget
     for table in TABLES:
