@@ -652,15 +652,12 @@ def flex_attention_backward(query, key, value, out, row_stats, grad_out, grad_ls
     from flexcore import attention
     from flexcore.sinks import sink_gradient
 
-    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
-              q_indices, full_q_num_blocks, full_q_indices)
-    numbers = (tuple(score_ints), tuple(score_floats), tuple(mask_ints), tuple(mask_floats))
-    spec, lowered, block_mask, score, mask = _prepare(call, tables, block, score_captured,
-                                                      mask_captured, numbers, query, key)
-    B, Hq = query.shape[:2]
+    spec, lowered, bound = _backward_bound(
+        query, key, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
+                     full_q_num_blocks, full_q_indices),
+        block, score_captured, mask_captured, (score_ints, score_floats, mask_ints, mask_floats), call)
     dq, dk, dv, grads, *delta = attention.backward_kernels(
-        query, key, value, out, row_stats, grad_out, grad_lse, score, spec.score_backward(lowered),
-        mask, block_mask, attention.kv_blocks(block_mask, B, Hq), scale, spec.opts,
+        query, key, value, out, row_stats, grad_out, grad_lse, *bound, scale, spec.opts,
         return_delta=sinks is not None)
     sink_grads = [] if sinks is None else [sink_gradient(lse, sinks, delta[0])]
     return dq, dk, dv, _captured_grads_in_call_order(spec, lowered, score_captured, grads), sink_grads
@@ -692,16 +689,26 @@ def flex_attention_sink_backward(query, key, value, out, row_stats, grad_out, gr
     from flexcore import attention
     from flexcore.sinks import sink_gradient
 
-    tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
-              q_indices, full_q_num_blocks, full_q_indices)
-    numbers = (tuple(score_ints), tuple(score_floats), tuple(mask_ints), tuple(mask_floats))
+    spec, _, bound = _backward_bound(
+        query, key, (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks, q_indices,
+                     full_q_num_blocks, full_q_indices),
+        block, score_captured, mask_captured, (score_ints, score_floats, mask_ints, mask_floats), call)
+    delta = attention.row_delta_kernels(query, key, value, out, row_stats, grad_out, grad_lse, *bound, scale,
+                                        spec.opts)
+    return sink_gradient(lse, sinks, delta)
+
+
+def _backward_bound(query, key, tables, block, score_captured, mask_captured, number_lists, call):
+    """(spec, lowered, (score, score's backward, mask, BlockMask, kv BlockTensors)) of a backward
+    op call: the mods bound to its tensors, as the backward kernels take them."""
+    from flexcore import attention
+
+    numbers = tuple(tuple(x) for x in number_lists)
     spec, lowered, block_mask, score, mask = _prepare(call, tables, block, score_captured,
                                                       mask_captured, numbers, query, key)
     B, Hq = query.shape[:2]
-    delta = attention.row_delta_kernels(
-        query, key, value, out, row_stats, grad_out, grad_lse, score, spec.score_backward(lowered),
-        mask, block_mask, attention.kv_blocks(block_mask, B, Hq), scale, spec.opts)
-    return sink_gradient(lse, sinks, delta)
+    return spec, lowered, (score, spec.score_backward(lowered), mask, block_mask,
+                           attention.kv_blocks(block_mask, B, Hq))
 
 
 _lib.impl("flex_attention_sink_backward", flex_attention_sink_backward, "CompositeExplicitAutograd")
