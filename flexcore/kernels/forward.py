@@ -165,8 +165,8 @@ def dense_flops(q, k, v) -> float:
 
 def tma_rule(q, k, v, policy) -> str:
     """The forward template's TMA rule for the call: the policy's, except that "auto" is "off" for
-    16-bit calls under ``policy.tma_min_flops`` (host descriptors and the scratch of device-side
-    ones cost 5-25 us of host time per call, more than a small kernel gains from them)."""
+    16-bit calls under ``policy.tma_min_flops``: host descriptors and the scratch of device-side ones
+    cost such calls more host time than their kernels gain (docs/decisions.md#forward-tma-size)."""
     if (policy.tma == "auto" and q.dtype != FP8_DTYPE
             and dense_flops(q, k, v) < policy.tma_min_flops):
         return "off"
