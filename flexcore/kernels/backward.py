@@ -374,7 +374,7 @@ def _preprocess(module, out, grad_out, row_stats, p_from_lse: bool, grad_lse=Non
     """delta = rowsum(dO * O) - grad_lse (without the rowsum where not ``delta_from_out``: the
     PHASE 3 pass adds its own), and with ``p_from_lse`` the rows' lse2 = m + log2(l), in one buffer
     (slots, B, Hq, L) of the accumulation dtype, with a last slot left for the dQ programs' row sums
-    where ``row_sums`` (_row_sums_slot); and the preprocessing launch's integer arguments."""
+    where ``row_sums`` (read through _summed_delta); and the preprocessing launch's integer arguments."""
     B, Hq, L, _ = out.shape
     fp64 = out.dtype == torch.float64
     row_terms = torch.empty(((2 if p_from_lse else 1) + row_sums, B, Hq, L),
