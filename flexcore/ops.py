@@ -612,11 +612,11 @@ def flex_attention_forward(query, key, value, kv_num_blocks, kv_indices, full_kv
     out, lse, row_stats, max_scores = attention.forward_kernels(
         query, key, value, score, mask, attention.kv_blocks(block_mask, B, Hq), scale, spec.opts,
         spec.want_max, sinks=sinks if in_kernel else None)
-    if row_stats is None:
-        if sinks is not None:
-            from flexcore.sinks import apply_sinks
+    if sinks is not None and not in_kernel:  # the decode kernel: before its row statistics
+        from flexcore.sinks import apply_sinks
 
-            out, lse = apply_sinks(out, lse, sinks)
+        out, lse = apply_sinks(out, lse, sinks)
+    if row_stats is None:
         row_stats = attention.decode_row_stats(lse, max_scores)
     return out, lse, row_stats
 
@@ -755,11 +755,12 @@ def _backward(ctx, grad_out, grad_lse, _grad_row_stats, op=None):
     mask_captured = [next(it) for _ in range(n_mask)]
     lse, sinks = (next(it), next(it)) if ctx.has_sinks else (None, None)
     no_grads = tuple(_grad_of_list(v) if isinstance(v, list) else None for v in ctx.rest)
+    # The inputs but ``sinks`` that get no gradient: q, k, v, the tables, the captured tensors.
+    frozen = (None,) * (3 + len(_TABLES)) + ([None] * n_score, [None] * n_mask) + no_grads
     # One gradient per input the op was called with: ``sinks`` (a default) may not have been.
     n_inputs = len(ctx.needs_input_grad)
     if grad_out is None and grad_lse is None:
-        return ((None,) * (3 + len(_TABLES)) + ([None] * n_score, [None] * n_mask) + no_grads
-                + (None,))[:n_inputs]
+        return (frozen + (None,))[:n_inputs]
     if grad_out is None:
         grad_out = torch.zeros_like(out)
     call = ctx.rest[-2]
@@ -770,8 +771,7 @@ def _backward(ctx, grad_out, grad_lse, _grad_row_stats, op=None):
     if want_sinks and not (any(needs[:3]) or any(needs[3 + len(_TABLES)])):
         # Only the sinks learn: the rows' delta alone, no gradient kernel.
         grad_sinks = torch.ops.flexcore.flex_attention_sink_backward.default(*args, lse, sinks)
-        return (None,) * (3 + len(_TABLES)) + ([None] * n_score, [None] * n_mask) + no_grads \
-            + (grad_sinks,)
+        return frozen + (grad_sinks,)
     if op is None:
         dq, dk, dv, cap_grads, sink_grads = torch.ops.flexcore.flex_attention_backward.default(
             *args, *((lse, sinks) if want_sinks else ()))

@@ -3,9 +3,10 @@
 The preprocessing kernel computes delta = rowsum(dO * O) - grad_lse (the lse's gradient, when the
 loss reads the lse: d lse_i / d s_ij = P_ij, so dS = P * (dP - delta) takes it whole); then
 ``flex_bwd_kernel`` runs its dK/dV programs and its dQ programs, in one launch or two (see
-the policy's ``backward.fused``). Where gradients of captured tensors are wanted, a launch of the dQ
-programs' grid first recomputes delta as rowsum(P * dP) - grad_lse from the backward's own probabilities;
-where only sinks' are, the dQ programs sum it beside dQ (the policy's ``backward.exact_delta``). float64 inputs are computed in float64 throughout (see
+the policy's ``backward.fused``). Where gradients of captured tensors are wanted, a launch of the
+dQ programs' grid first recomputes delta as rowsum(P * dP) - grad_lse from the backward's own
+probabilities; where only sinks' are, the dQ programs sum it beside dQ (the policy's
+``backward.exact_delta``). float64 inputs are computed in float64 throughout (see
 ``flexcore.kernels.forward.scale_args``).
 
 dQ, dK and dV never use atomics (each program owns its rows), so they are bit-identical across runs.
@@ -480,7 +481,7 @@ class BackwardChoice(NamedTuple):
     full_q_runs: bool          # runs of full blocks stepped over (dK/dV programs)
     full_kv_runs: bool         # the same for the dQ programs
     p_from_lse: bool           # probabilities as exp2(s - lse2)
-    exact_delta: bool          # delta from the backward's own probabilities (an extra pass)
+    exact_delta: bool          # delta from the backward's own probabilities (see _backward)
     dkdv_tiles: tuple          # (BLOCK_M, BLOCK_N, launch knobs) of the dK/dV programs
     dq_tiles: tuple            # the same for the dQ programs
     may_fuse: bool             # one launch for both kinds may run (forced or timed, see _tune_layout)

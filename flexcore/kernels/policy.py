@@ -122,8 +122,8 @@ class BackwardPolicy:
     #: The kinds of program whose loops are specialized: one of them. Both at once gave gradients
     #: that differ from run to run on the GPU (a race), so that is refused.
     warp_spec_kinds: tuple[str, ...] = ("dkdv",)
-    #: Where captured tensors or sinks want gradients, delta is recomputed as rowsum(P * dP) by an
-    #: extra pass.
+    #: Where captured tensors or sinks want gradients, delta is recomputed as rowsum(P * dP): by an
+    #: extra pass for captured tensors (their dS reads it), by the dQ programs for sinks alone.
     exact_delta: bool = True
     #: One launch for the dK/dV and dQ programs. auto: timed against two at fused_head_dims (the
     #: first backward of each kernel and size); on/off: forced (out of shared memory splits anyway).
