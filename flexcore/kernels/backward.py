@@ -103,8 +103,8 @@ _FINE_DQ_CONFIGS = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 #   rowsum(dO * O) carries the forward's 16-bit rounding, which a one-signed mod derivative (an
 #   ALiBi slope's |i - j|) or a sink's p_sink adds up over the rows (docs/decisions.md#exact-delta).
 #   Captured tensors' gradients read it in dS, so an extra pass over the dQ programs' grid computes
-#   it first; a sink's gradient reads it only after, so the dQ programs sum it beside dQ (ROW_SUMS).
-#   The Gluon backward has neither: sinks that learn take the template.
+#   it first; a sink's gradient reads it only after, so the dQ programs sum it beside dQ (ROW_SUMS),
+#   the Gluon dQ kernel's too.
 # - fused, fused_head_dims: one launch for both kinds of program, timed against two per kernel
 #   and size bucket (_tune_layout).
 # Kernels (module, tiles, constexprs) whose single launch ran out of shared memory: they run as two.
@@ -419,13 +419,11 @@ def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd
                      kv_blocks: BlockTensors, q_blocks: BlockTensors, scale: float, opts: KernelOptions,
                      caps: tuple, grad_lse=None, exact_delta: bool = False):
     """backward's result and plan parts (as _backward's) from flexcore.kernels.hopper's Gluon kernels,
-    or None where they do not serve the call (see hopper.applies_backward), fail to build for this
-    mask_mod, or ``exact_delta`` is wanted (they have no pass that computes it; InputError where
-    the policy forces them)."""
+    or None where they do not serve the call (see hopper.applies_backward) or fail to build for this
+    mask_mod. ``exact_delta``: a sink's gradient reads delta, which the dQ kernel then sums as
+    rowsum(P * dP) (ROW_SUMS; the Gluon kernels serve only the identity score_mod, so no captured
+    tensor wants a gradient)."""
     if not hopper.backward_may_apply(q, opts):
-        return None
-    if exact_delta:
-        _refuse_forced_gluon(q, opts)
         return None
     L, S = q.shape[2], k.shape[2]
     sparse_q, sparse_kv = kv_blocks.sparse_block
@@ -438,29 +436,32 @@ def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd
     # The Gluon kernels take dS = P * (dP - delta) with the preprocessing's delta, which carries
     # grad_lse (see flex_bwd_preprocess).
     row_terms, pre_fixed = _preprocess(backward_module(score_lowered, score_bwd_lowered, mask_lowered), out,
-                                       grad_out, row_stats, True, grad_lse, opts=opts)
-    launches = hopper.BackwardLaunches(module, kv_blocks, q_blocks, dense, scale)
+                                       grad_out, row_stats, True, grad_lse, opts=opts, row_sums=exact_delta)
+    sums_slot = row_terms.shape[0] - 1 if exact_delta else 0
+    launches = hopper.BackwardLaunches(module, kv_blocks, q_blocks, dense, scale, sums_slot)
     grads = hopper.backward(q, k, v, grad_out, row_terms[1], row_terms[0], launches, caps,
-                            ("backward_hopper.py.tmpl", mask_lowered.source, dense, q.dtype),
+                            ("backward_hopper.py.tmpl", mask_lowered.source, dense, q.dtype, sums_slot),
                             opts.dispatch.launch)
     if grads is None:
         return None
-    _log.debug("backward: Gluon kernels (dense=%s, head dim %d, %s)", dense, q.shape[3], q.dtype)
-    result = (*grads, _captured_grads(score_lowered.captured, {}, opts.deterministic), row_terms[0])
+    _log.debug("backward: Gluon kernels (dense=%s, head dim %d, %s, row sums %s)", dense, q.shape[3], q.dtype,
+               bool(sums_slot))
+    delta = _summed_delta(row_terms, sums_slot, grad_lse) if sums_slot else row_terms[0]
+    result = (*grads, _captured_grads(score_lowered.captured, {}, opts.deterministic), delta)
     return result, (lambda entries: _HopperBackwardPlan(entries, pre_fixed, launches, row_terms.shape,
-                                                        row_terms.dtype), 3)
+                                                        row_terms.dtype, sums_slot), 3)
 
 
 class _HopperBackwardPlan:
     """A repeated backward call that flexcore.kernels.hopper serves: the preprocessing launch and
     the two Gluon kernels' direct launches."""
 
-    __slots__ = ("pre", "launches", "pre_fixed", "gluon", "rows_shape", "rows_dtype")
+    __slots__ = ("pre", "launches", "pre_fixed", "gluon", "rows_shape", "rows_dtype", "sums_slot")
 
-    def __init__(self, entries, pre_fixed, gluon, rows_shape, rows_dtype):
+    def __init__(self, entries, pre_fixed, gluon, rows_shape, rows_dtype, sums_slot=0):
         self.pre, self.launches = entries[0], tuple(entries[1:])
         self.pre_fixed, self.gluon = pre_fixed, gluon
-        self.rows_shape, self.rows_dtype = rows_shape, rows_dtype
+        self.rows_shape, self.rows_dtype, self.sums_slot = rows_shape, rows_dtype, sums_slot
 
     def __call__(self, q, k, v, out, row_stats, grad_out, caps, captured, grad_of, deterministic,
                  grad_lse=None):
@@ -469,7 +470,8 @@ class _HopperBackwardPlan:
         entry.launch(grid, (out, grad_out, row_terms[0], row_stats, row_terms[1],
                             row_terms[0] if grad_lse is None else grad_lse, *self.pre_fixed))
         grads = self.gluon.replay(self.launches, q, k, v, grad_out, row_terms[1], row_terms[0], caps)
-        return (*grads, _captured_grads(captured, {}, deterministic), row_terms[0])
+        delta = _summed_delta(row_terms, self.sums_slot, grad_lse) if self.sums_slot else row_terms[0]
+        return (*grads, _captured_grads(captured, {}, deterministic), delta)
 
 
 class BackwardChoice(NamedTuple):
@@ -584,12 +586,13 @@ def _delta_pass(kernel, args: tuple, common: dict, choice: BackwardChoice, q, k,
 
 def _refuse_forced_gluon(q, opts: KernelOptions) -> None:
     """InputError where the policy forces the Gluon backward on a call that it could otherwise take
-    (hopper.backward_may_apply) but whose sinks want a gradient."""
+    (hopper.backward_may_apply) but whose sinks alone want a gradient."""
     if opts.dispatch.gluon.backward == "on" and hopper.backward_may_apply(q, opts):
         raise InputError("the Gluon backward kernels were required (policy.gluon.backward='on') but "
-                         "cannot serve this call: the sinks want a gradient, whose delta = rowsum(P * dP) "
-                         "only the Triton template computes (policy.backward.exact_delta); use "
-                         "gluon.backward='auto', or backward.exact_delta=False to read delta from the output")
+                         "cannot serve this call: only the sinks want a gradient, whose delta = rowsum(P * dP) "
+                         "without the other gradients only the Triton template computes "
+                         "(policy.backward.exact_delta); use gluon.backward='auto', or "
+                         "backward.exact_delta=False to read delta from the output")
 
 
 def row_deltas(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowered, mask_lowered,

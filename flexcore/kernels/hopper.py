@@ -476,10 +476,10 @@ class BackwardLaunches:
     tables and their strides, dense or not, the scale. A per-call plan keeps it with the two direct
     launches that ran (flexcore.kernels.backward)."""
 
-    __slots__ = ("module", "q_tables", "kv_tables", "dense", "scale")
+    __slots__ = ("module", "q_tables", "kv_tables", "dense", "scale", "row_sums")
 
-    def __init__(self, module, kv_blocks, q_blocks, dense: bool, scale: float):
-        self.module, self.dense, self.scale = module, dense, scale
+    def __init__(self, module, kv_blocks, q_blocks, dense: bool, scale: float, row_sums: int = 0):
+        self.module, self.dense, self.scale, self.row_sums = module, dense, scale, row_sums
         self.q_tables, self.kv_tables = tables(q_blocks), tables(kv_blocks)
 
     def prepare(self, q, k, v, grad_out, lse2, delta, caps: tuple):
@@ -505,7 +505,8 @@ class BackwardLaunches:
         dq_launch = (self.module.flex_hopper_bwd_dq, (L // BLOCK_M, B * Hq),
                      (*ins, mod.descriptor(dq, B * Hq * L, BWD_TILE), lse2, delta, *kv_args, *strides, Hq,
                       Hq // Hkv, *sizes),
-                     dict(HAS_FULL_BLOCKS=kv_full, SPARSE_KV_BLOCK=BLOCK_N, NUM_STAGES=BWD_DQ_STAGES, **common))
+                     dict(HAS_FULL_BLOCKS=kv_full, SPARSE_KV_BLOCK=BLOCK_N, NUM_STAGES=BWD_DQ_STAGES,
+                          **({"ROW_SUMS": self.row_sums} if self.row_sums else {}), **common))
         return (dq, dk, dv), (dkdv, dq_launch)
 
     def replay(self, entries, q, k, v, grad_out, lse2, delta, caps: tuple):

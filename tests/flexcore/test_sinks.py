@@ -380,9 +380,10 @@ def test_deterministic_sink_gradient(monkeypatch):
 
 def test_forced_gluon_backward_rule_for_learning_sinks(monkeypatch):
     """Where the Gluon backward could take a call (hopper.backward_may_apply, patched here to say so)
-    and the policy forces it, sinks that want a gradient are refused with what would serve them,
-    whether q, k and v learn too or the sinks alone (the pass that gives their delta). On the GPU:
-    test_forced_gluon_backward_refuses_learning_sinks."""
+    and the policy forces it, sinks that learn alone are refused with what would serve them (the
+    pass that gives their delta has no Gluon kernel); with q, k and v learning too the Gluon
+    kernels are asked (their dQ kernel sums the delta). On the GPU:
+    test_forced_gluon_backward_with_learning_sinks."""
     from flexcore.kernels import hopper
 
     gen = torch.Generator().manual_seed(seed_of("forced-gluon-rule"))
@@ -391,12 +392,21 @@ def test_forced_gluon_backward_rule_for_learning_sinks(monkeypatch):
     sinks = make_sinks(H, gen)
     opts = policy_options(gluon={"backward": "on"})
     monkeypatch.setattr(hopper, "backward_may_apply", lambda q, opts: opts.dispatch.gluon.backward != "off")
-    monkeypatch.setattr(hopper, "applies_backward", lambda *args: False)  # the rest of its rule: not here
-    for q_learns in (True, False):
-        lq, ls = (t.detach().requires_grad_() for t in (q, sinks))
-        out = flex_attention(lq if q_learns else q, k, v, sinks=ls, kernel_options=opts)
-        with pytest.raises(InputError, match="sinks want a gradient.*exact_delta"):
-            torch.autograd.grad(out.sum(), [lq, ls] if q_learns else [ls])
+    asked = []
+
+    def applies(*args):  # the rest of its rule: not here (the call then takes the template)
+        asked.append(True)
+        return False
+
+    monkeypatch.setattr(hopper, "applies_backward", applies)
+    lq, ls = (t.detach().requires_grad_() for t in (q, sinks))
+    out = flex_attention(lq, k, v, sinks=ls, kernel_options=opts)
+    torch.autograd.grad(out.sum(), [lq, ls])
+    assert asked
+    ls = sinks.detach().requires_grad_()
+    out = flex_attention(q, k, v, sinks=ls, kernel_options=opts)
+    with pytest.raises(InputError, match="only the sinks want a gradient.*exact_delta"):
+        torch.autograd.grad(out.sum(), [ls])
 
 
 def test_paged_decode_with_sinks():
@@ -866,32 +876,40 @@ def test_gluon_forward_takes_the_sinks_in(caplog, mask, D):
                                 sink_center=math.log(1024) - 0.5)
     lines = [m for m in _dispatch_lines(caplog) if m.startswith("forward:")]
     assert lines and all(f"Gluon {kind} kernel" in m and "sinks in the epilogue" in m for m in lines), lines
-    # The sinks learn: the backward is the template's, whose pass computes delta = rowsum(P * dP).
+    # The sinks learn: the backward sums delta = rowsum(P * dP), in the template or the Gluon dQ kernel.
     lines = [m for m in _dispatch_lines(caplog) if m.startswith("backward:")]
-    assert lines and all("Triton template" in m and "exact_delta=True" in m for m in lines), lines
+    assert lines and all(("Triton template" in m and "exact_delta=True" in m)
+                         or ("Gluon kernels" in m and "row sums True" in m) for m in lines), lines
 
 
 @pytest.mark.gpu
 @needs_hopper
-def test_forced_gluon_backward_refuses_learning_sinks():
-    """policy.gluon.backward='on' with sinks that want a gradient: the Gluon backward has no pass
-    for the exact delta that their gradient reads, so the call is refused, naming the sinks and the
-    settings that would serve it; with sinks that do not learn it runs."""
+def test_forced_gluon_backward_with_learning_sinks(caplog):
+    """policy.gluon.backward='on' with sinks that want a gradient beside q, k and v: the Gluon dQ
+    kernel sums their delta (ROW_SUMS), and the gradients match the float64 reference; with the
+    sinks alone learning the call is refused, naming the sinks and the settings that would serve it."""
     gen = torch.Generator().manual_seed(seed_of("gluon-refuses"))
     B, H, L, D = 1, 4, 1024, 128
     q, k, v = (torch.randn(B, H, L, D, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(3))
     sinks = make_sinks(H, gen, device="cuda", center=math.log(L))
     opts = policy_options(gluon={"backward": "on"})
-    out = flex_attention(q, k, v, sinks=sinks, kernel_options=opts)
-    with pytest.raises(InputError, match="sinks want a gradient.*exact_delta"):
-        torch.autograd.grad(out.sum(), [q, sinks])
-    out = flex_attention(q.detach(), k.detach(), v.detach(), sinks=sinks, kernel_options=opts)
-    with pytest.raises(InputError, match="sinks want a gradient.*exact_delta"):  # the sinks alone learn
-        torch.autograd.grad(out.sum(), [sinks])
-    out = flex_attention(q, k, v, sinks=sinks.detach(), kernel_options=opts)
     # A dense dO: the Gluon backward reads dO as (rows, D), which out.sum()'s expanded ones are not.
-    grad_out = torch.randn(out.shape, generator=gen).cuda().bfloat16()
-    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out, [q, k, v], grad_out))
+    grad_out = torch.randn(B, H, L, D, generator=gen).cuda().bfloat16()
+    with caplog.at_level(logging.DEBUG, logger="flexcore.dispatch"):
+        out = flex_attention(q, k, v, sinks=sinks, kernel_options=opts)
+        ours = torch.autograd.grad(out, [q, k, v, sinks], grad_out)
+    assert any("Gluon kernels" in m and "row sums True" in m for m in _dispatch_lines(caplog))
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    gold = flex_attention_reference(*leaves64[:3], sinks=leaves64[3])
+    golden = torch.autograd.grad(gold, leaves64, grad_out.double())
+    base_leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
+    base = flex_attention_reference(*base_leaves[:3], sinks=base_leaves[3], upcast=False)
+    baseline = torch.autograd.grad(base, base_leaves, grad_out)
+    for name, a, g, b in zip(["dq", "dk", "dv", "dsinks"], ours, golden, baseline):
+        assert_close_to_reference(a, g, b, metric="rel_fro", atol=1e-6, name=name)
+    out = flex_attention(q.detach(), k.detach(), v.detach(), sinks=sinks, kernel_options=opts)
+    with pytest.raises(InputError, match="only the sinks want a gradient.*exact_delta"):
+        torch.autograd.grad(out, [sinks], grad_out)
 
 
 @pytest.mark.gpu
