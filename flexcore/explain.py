@@ -105,12 +105,12 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
             lines.append(f"forward: Gluon {gluon[0]} kernel for Hopper ({where}), because "
                          f"{_switch('gluon', rule, getattr(policy.gluon, rule))} and the call is one it "
                          f"serves (identity score_mod, 16-bit, head dim {D}, lengths multiple of "
-                         f"{hopper.BLOCK_M}{'' if gluon[0] == 'dense' else ', rows long enough'}); "
+                         f"{hopper.BLOCK_M}{'' if gluon[0] == 'dense' else _MASKED_TERMS}); "
                          f"the Triton template runs if it fails to build")
         else:
             fwd_kernel = "triton"
             lines.append(f"forward: Triton template ({where}); Gluon kernels not taken: "
-                         f"{_gluon_refusal(q, policy, dense)}")
+                         f"{_gluon_refusal(q, k, v, policy, dense)}")
             used = forward.refined(blocks, q, k, v, score_lowered, mask_lowered, scale, opts)
             fine = used is not blocks
             lines.append(f"  tables: {tuple(used.sparse_block)} blocks"
@@ -161,7 +161,7 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
                      "one launch" if choice.may_fuse else "two launches")
         lines += [
             f"backward: Triton template ({where}); Gluon kernels not taken: "
-            f"{_gluon_refusal(q, policy, None)}",
+            f"{_gluon_refusal(q, k, v, policy, dense, backward=True)}",
             f"  tables: {tuple(kv_used.sparse_block)} blocks"
             + (" (finer tables)" if fine is not None else " (the mask's own)"),
             f"  dense path: {choice.dense} ({_switch('backward', 'dense', b.dense)}, head dims "
@@ -191,19 +191,24 @@ def _tiles_text(meta) -> str:
     return ", ".join(f"{name}={value}" for name, value in meta.items())
 
 
-def _gluon_refusal(q, policy, dense) -> str:
-    """Why the Gluon kernels do not serve the call, in the first rule that refuses."""
+_MASKED_TERMS = ", rows long enough, at least gluon.masked_min_flops"
+
+
+def _gluon_refusal(q, k, v, policy, dense: bool, backward: bool = False) -> str:
+    """Why the Gluon kernels (the backward's, or the forward's) do not serve the call, in the first
+    rule that refuses."""
     from flexcore._runtime import use_interpreter
+    from flexcore.kernels import hopper
+    from flexcore.kernels.forward import dense_flops
 
     if use_interpreter() or not q.is_cuda:
         return "they need an sm_90 GPU (not the interpreter)"
-    if dense is None:
-        return (_switch("gluon", "backward", policy.gluon.backward) if policy.gluon.backward == "off"
-                else "the call is not one they serve (see flexcore.kernels.hopper: identity score_mod, "
-                     "16-bit, head dim 128, lengths multiple of 128, rows long enough)")
-    rule = "dense" if dense else "masked"
+    rule = "backward" if backward else ("dense" if dense else "masked")
     value = getattr(policy.gluon, rule)
     if value == "off":
         return _switch("gluon", rule, value)
+    if not dense and value == "auto" and not hopper.large_enough(q, k, v, policy.gluon):
+        return (f"a masked call of {dense_flops(q, k, v):.3g} dense-equivalent FLOPs, under "
+                f"policy.gluon.masked_min_flops={policy.gluon.masked_min_flops:g}")
     return ("the call is not one they serve (see flexcore.kernels.hopper: identity score_mod, 16-bit, "
-            "head dim 64 or 128, lengths multiple of 128, rows long enough)")
+            f"head dim {128 if backward else '64 or 128'}, lengths multiple of 128, rows long enough)")

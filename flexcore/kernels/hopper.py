@@ -3,7 +3,8 @@
 The forward (the template `forward_hopper.py.tmpl`) serves the identity score_mod, in bf16 or fp16,
 on an sm_90 GPU, at head dim 64 or 128: with its DENSE constexpr set, a mask whose blocks are all
 full (no mask, ``noop_mask``; DENSE_TILES); filled with the lowered mask_mod, any other mask over
-128x128 blocks whose rows average the policy's gluon.masked_min_mean_blocks key blocks or more (MASKED_TILES).
+128x128 blocks whose rows average the policy's gluon.masked_min_mean_blocks key blocks or more, in
+calls of at least gluon.masked_min_flops (MASKED_TILES).
 It runs FlashAttention-3's schedule, which triton 3.6 does not produce from ``tl`` code
 (docs/decisions.md#gluon-scope and docs/decisions.md#dense-warp-specialization and docs/decisions.md#gluon-dense-forward and docs/decisions.md#gluon-masked-forward and docs/decisions.md#gluon-three-warpgroups):
 
@@ -29,7 +30,7 @@ flexcore.sinks) the epilogue adds each to its rows' denominator, as the template
 
 The backward (the template `backward_hopper.py.tmpl`, after the Triton preprocessing kernel of
 flexcore.kernels.backward) serves the same calls, with masks whose rows, and their transpose's,
-average gluon.backward_min_mean_blocks blocks or more: a dK/dV kernel (128 keys per program, 64-query tiles
+average gluon.backward_min_mean_blocks blocks or more (and, masked, at least gluon.masked_min_flops): a dK/dV kernel (128 keys per program, 64-query tiles
 of Q and dO streamed) and a dQ kernel (128 queries per program, 64-key tiles of K and V streamed),
 each with one loader warp and two compute warpgroups (flexcore/README.md, docs/decisions.md#gluon-backward).
 """
@@ -47,6 +48,9 @@ from flexcore.blockmask import block_map_of
 from flexcore.errors import InputError
 
 # Which kernel serves a call is decided by the policy's ``gluon`` family (flexcore.kernels.policy):
+# - masked_min_flops: under a mask, calls smaller than this take the template, forward and
+#   backward: there the Gluon kernels' calls took longer than the template's
+#   (docs/decisions.md#gluon-masked-size).
 # - masked_min_mean_blocks: each program of the masked kernel sets up barriers, partitions and
 #   registers, which rows of a few blocks feel; below it the template serves the mask
 #   (docs/decisions.md#gluon-masked-forward).
@@ -203,7 +207,7 @@ def applies_masked(q, k, v, score_lowered, blocks, dense: bool, scale: float, op
     if ok and rule != "on":
         least = (policy.union_min_mean_blocks if MASKED_TILES[q.shape[3]].num_wg == 3
                  else policy.masked_min_mean_blocks)
-        ok = blocks.visits_on_average(q.shape[2] // BLOCK_M, least)
+        ok = large_enough(q, k, v, policy) and blocks.visits_on_average(q.shape[2] // BLOCK_M, least)
     if not ok and rule == "on":
         raise _refuse("masked", "masked")
     return ok
@@ -453,10 +457,19 @@ def applies_backward(q, k, v, grad_out, score_lowered, kv_blocks, q_blocks, dens
           and (dense or (_tables_ok(kv_blocks) and _tables_ok(q_blocks)))
           and _common(q, k, v, score_lowered, scale, opts))
     if ok and not dense and policy.backward != "on":
-        ok = long_rows(kv_blocks, q_blocks, q.shape[2], k.shape[2], policy.backward_min_mean_blocks)
+        ok = (large_enough(q, k, v, policy)
+              and long_rows(kv_blocks, q_blocks, q.shape[2], k.shape[2], policy.backward_min_mean_blocks))
     if not ok and policy.backward == "on":
         raise _refuse("backward", "backward")
     return ok
+
+
+def large_enough(q, k, v, policy) -> bool:
+    """Whether a masked call is at least the Gluon policy's ``masked_min_flops`` (dense-equivalent
+    FLOPs of the forward, flexcore.kernels.forward.dense_flops)."""
+    from flexcore.kernels.forward import dense_flops
+
+    return dense_flops(q, k, v) >= policy.masked_min_flops
 
 
 def long_rows(kv_blocks, q_blocks, q_len: int, kv_len: int, blocks: float) -> bool:

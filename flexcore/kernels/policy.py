@@ -147,6 +147,9 @@ class GluonPolicy:
     dense: Switch = "auto"
     masked: Switch = "auto"
     backward: Switch = "auto"
+    #: Least dense-equivalent FLOPs (flexcore.kernels.forward.dense_flops) of a masked call for the
+    #: masked forward and the backward: below it they take longer per call than the template.
+    masked_min_flops: float = 2e11
     #: Least key blocks per mask row, on average, for the two-warpgroup masked forward.
     masked_min_mean_blocks: float = 8.0
     #: The same for the three-warpgroup masked forward (head dim 64).

@@ -563,8 +563,9 @@ def test_gradients_through_the_masked_gluon_forward(monkeypatch, mod_name, shape
 @pytest.mark.parametrize("rows_long", [True, False])
 @pytest.mark.parametrize("D", [64, 128])
 def test_masked_kernel_only_for_long_rows_by_default(monkeypatch, rows_long, D):
-    # By default the masked Gluon kernel serves masks whose rows visit gluon.masked_min_mean_blocks key
-    # blocks or more on average; shorter rows (documents of a few blocks) keep the template.
+    # The masked Gluon kernel serves masks whose rows visit gluon.masked_min_mean_blocks key
+    # blocks or more on average; shorter rows (documents of a few blocks) keep the template. The
+    # size rule (below) is lifted here: these calls are smaller than it.
     calls = _spy_masked(monkeypatch)
     L = S = 4096
     doc = 4096 if rows_long else 256
@@ -575,9 +576,44 @@ def test_masked_kernel_only_for_long_rows_by_default(monkeypatch, rows_long, D):
 
     q, k, v = (torch.randn(1, 2, n, D, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
     bm = create_block_mask(mask, None, None, L, S, device="cuda")
-    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    opts = policy_options(gluon={"masked_min_flops": 0})
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=opts)
     assert calls == ([True] if rows_long else [])
     assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper rows long={rows_long}")
+
+
+@pytest.mark.parametrize("shape, large", [
+    ((4, 8, 2048, 128), False), ((4, 16, 2048, 128), False),  # 6.9e10 and 1.4e11 dense-equivalent FLOPs
+    ((2, 16, 4096, 128), True), ((1, 16, 8192, 128), True), ((1, 16, 16384, 64), True),
+])
+def test_masked_size_rule(shape, large):
+    # Masked calls under gluon.masked_min_flops take the template, forward and backward
+    # (docs/decisions.md#gluon-masked-size); the threshold is the policy's.
+    B, H, N, D = shape
+    q = torch.empty(B, H, N, D, device="meta", dtype=torch.bfloat16)
+    assert hopper.large_enough(q, q, q, DEFAULT_POLICY.gluon) == large
+    lifted = DEFAULT_POLICY.replace(gluon={"masked_min_flops": 0}).gluon
+    assert hopper.large_enough(q, q, q, lifted)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("lifted", [False, True])
+def test_small_masked_calls_take_the_template(monkeypatch, lifted):
+    # A causal call under gluon.masked_min_flops (1.7e10) runs the template's forward and backward
+    # by default, the Gluon kernels with the threshold at 0; gradients against float64 either way.
+    import flexcore
+    from flexcore.kernels.policy import DispatchPolicy
+    fwd_calls, bwd_calls = _spy_masked(monkeypatch), _spy_backward(monkeypatch)
+    N, D = 4096, 128
+    gen = torch.Generator().manual_seed(seed_of("hopper-size", lifted))
+    q, k, v = (torch.randn(1, 2, N, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+    bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, N, N, device="cuda")
+    policy = DispatchPolicy().replace(gluon={"masked_min_flops": 0}) if lifted else None
+    _check_grads(q, k, v, bm, f"size rule lifted={lifted}", kernel_options={"policy": policy})
+    assert (fwd_calls, bwd_calls) == (([True], [True]) if lifted else ([], []))
+    said = str(flexcore.explain(q, k, v, block_mask=bm, kernel_options={"policy": policy}))
+    assert ("masked_min_flops=2e+11" in said) != lifted, said
 
 
 # --- the backward (backward_hopper.py.tmpl) ---

@@ -64,6 +64,7 @@ def test_forward_tma_rule_by_size():
     (lambda: ForwardPolicy(dense="yes"), "ForwardPolicy.dense = 'yes': expected True or False"),
     (lambda: ForwardPolicy(schedule_group=2.5), "expected an int or None"),
     (lambda: GluonPolicy(masked_min_mean_blocks=-1), "expected a number >= 0"),
+    (lambda: GluonPolicy(masked_min_flops=None), "GluonPolicy.masked_min_flops = None: expected a number >= 0"),
     (lambda: ForwardPolicy(tma_min_flops="5e10"), "ForwardPolicy.tma_min_flops = '5e10': expected a number >= 0"),
     (lambda: ForwardPolicy(kv_rows_head_dims={128}), "expected a tuple"),
     (lambda: DispatchPolicy(forward=GluonPolicy()), "DispatchPolicy.forward = .*: expected a ForwardPolicy"),
