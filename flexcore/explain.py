@@ -102,15 +102,19 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
         if gluon is not None:
             fwd_kernel = f"gluon-{gluon[0]}"
             rule = "dense" if gluon[0] == "dense" else "masked"
+            terms = _MASKED_TERMS if rule == "masked" and policy.gluon.masked == "auto" else ""
             lines.append(f"forward: Gluon {gluon[0]} kernel for Hopper ({where}), because "
                          f"{_switch('gluon', rule, getattr(policy.gluon, rule))} and the call is one it "
                          f"serves (identity score_mod, 16-bit, head dim {D}, lengths multiple of "
-                         f"{hopper.BLOCK_M}{'' if gluon[0] == 'dense' else _MASKED_TERMS}); "
+                         f"{hopper.BLOCK_M}{terms}); "
                          f"the Triton template runs if it fails to build")
         else:
             fwd_kernel = "triton"
+            lifted = _size_rule_lifted(opts)
+            small = (not dense and hopper.applies_masked(q, k, v, score_lowered, blocks, dense, scale, lifted)
+                     and hopper.masked_tables(blocks, L, S, D, lifted) is not None)
             lines.append(f"forward: Triton template ({where}); Gluon kernels not taken: "
-                         f"{_gluon_refusal(q, k, v, policy, dense)}")
+                         f"{_gluon_refusal(q, k, v, policy, dense, small)}")
             used = forward.refined(blocks, q, k, v, score_lowered, mask_lowered, scale, opts)
             fine = used is not blocks
             lines.append(f"  tables: {tuple(used.sparse_block)} blocks"
@@ -151,6 +155,9 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
         lines.append(f"backward: Gluon dK/dV and dQ kernels for Hopper ({where}), because "
                      f"{_switch('gluon', 'backward', policy.gluon.backward)} and the call is one they serve")
     else:
+        small = (not dense and hopper.backward_may_apply(q, opts)
+                 and hopper.applies_backward(q, k, v, out_like, score_lowered, blocks, q_blocks, dense, scale,
+                                             _size_rule_lifted(opts)))
         fine = tables.finer_tables(blocks, L, mask_lowered, opts, lambda: policy.gluon.backward == "on")
         kv_used, q_used = (blocks, q_blocks) if fine is None else fine
         wants = any(t.requires_grad for t in score_lowered.captured)
@@ -161,7 +168,7 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
                      "one launch" if choice.may_fuse else "two launches")
         lines += [
             f"backward: Triton template ({where}); Gluon kernels not taken: "
-            f"{_gluon_refusal(q, k, v, policy, dense, backward=True)}",
+            f"{_gluon_refusal(q, k, v, policy, dense, small, backward=True)}",
             f"  tables: {tuple(kv_used.sparse_block)} blocks"
             + (" (finer tables)" if fine is not None else " (the mask's own)"),
             f"  dense path: {choice.dense} ({_switch('backward', 'dense', b.dense)}, head dims "
@@ -194,11 +201,18 @@ def _tiles_text(meta) -> str:
 _MASKED_TERMS = ", rows long enough, at least gluon.masked_min_flops"
 
 
-def _gluon_refusal(q, k, v, policy, dense: bool, backward: bool = False) -> str:
+def _size_rule_lifted(opts: KernelOptions) -> KernelOptions:
+    """``opts`` without the Gluon kernels' size rule (gluon.masked_min_flops 0)."""
+    import dataclasses
+
+    return dataclasses.replace(opts, policy=opts.dispatch.replace(gluon={"masked_min_flops": 0}))
+
+
+def _gluon_refusal(q, k, v, policy, dense: bool, small: bool, backward: bool = False) -> str:
     """Why the Gluon kernels (the backward's, or the forward's) do not serve the call, in the first
-    rule that refuses."""
+    rule that refuses. ``small``: the kernels would serve it but for its size
+    (gluon.masked_min_flops)."""
     from flexcore._runtime import use_interpreter
-    from flexcore.kernels import hopper
     from flexcore.kernels.forward import dense_flops
 
     if use_interpreter() or not q.is_cuda:
@@ -207,7 +221,7 @@ def _gluon_refusal(q, k, v, policy, dense: bool, backward: bool = False) -> str:
     value = getattr(policy.gluon, rule)
     if value == "off":
         return _switch("gluon", rule, value)
-    if not dense and value == "auto" and not hopper.large_enough(q, k, v, policy.gluon):
+    if small:
         return (f"a masked call of {dense_flops(q, k, v):.3g} dense-equivalent FLOPs, under "
                 f"policy.gluon.masked_min_flops={policy.gluon.masked_min_flops:g}")
     return ("the call is not one they serve (see flexcore.kernels.hopper: identity score_mod, 16-bit, "

@@ -629,7 +629,7 @@ def _backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd_lowere
     """backward's decisions and launches: (the result (dq, dk, dv, captured_grads, delta), (a
     function of the launches that ran, recorded, to the plan that repeats them, the number of
     launches that ran)). The Gluon kernels of flexcore.kernels.hopper serve the call where they
-    apply, but not where the caller reads delta with the exact-delta pass on."""
+    apply, the exact delta included (their dQ kernel sums it, ROW_SUMS)."""
     # A sink's gradient, -sum over rows of p_sink * delta, adds up rowsum(dO * O)'s rounding of the
     # 16-bit output as a captured tensor's does: delta from the backward's own P and dP instead.
     exact_wanted = _row_rules(opts, q.element_size(), delta_wanted)[1]

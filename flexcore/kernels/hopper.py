@@ -30,9 +30,10 @@ flexcore.sinks) the epilogue adds each to its rows' denominator, as the template
 
 The backward (the template `backward_hopper.py.tmpl`, after the Triton preprocessing kernel of
 flexcore.kernels.backward) serves the same calls, with masks whose rows, and their transpose's,
-average gluon.backward_min_mean_blocks blocks or more (and, masked, at least gluon.masked_min_flops): a dK/dV kernel (128 keys per program, 64-query tiles
-of Q and dO streamed) and a dQ kernel (128 queries per program, 64-key tiles of K and V streamed),
-each with one loader warp and two compute warpgroups (flexcore/README.md, docs/decisions.md#gluon-backward).
+average gluon.backward_min_mean_blocks blocks or more, in calls of at least gluon.masked_min_flops:
+a dK/dV kernel (128 keys per program, 64-query tiles of Q and dO streamed) and a dQ kernel (128
+queries per program, 64-key tiles of K and V streamed), each with one loader warp and two compute
+warpgroups (flexcore/README.md, docs/decisions.md#gluon-backward).
 """
 from __future__ import annotations
 
@@ -433,7 +434,8 @@ def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, sc
 # The policy's gluon.backward decides; below gluon.backward_min_mean_blocks key (query) blocks per
 # row of the mask (of its transpose) the Triton template serves a masked backward: rows of a few
 # blocks run no faster under the Gluon kernels and pay more host time for their descriptors
-# (docs/decisions.md#gluon-backward).
+# (docs/decisions.md#gluon-backward); so do masked calls under gluon.masked_min_flops
+# (docs/decisions.md#gluon-masked-size).
 BWD_TILE = 64  # rows per compute warpgroup, and rows per streamed tile (queries for dK/dV, keys for dQ)
 BWD_DKDV_STAGES = 2  # Q and dO slots: 2 x 2 x 16 KB beside K and V's 64 KB
 BWD_DQ_STAGES = 3  # K and V slots: 3 x 2 x 16 KB beside Q and dO's 64 KB
@@ -449,7 +451,8 @@ def applies_backward(q, k, v, grad_out, score_lowered, kv_blocks, q_blocks, dens
                      opts) -> bool:
     """Whether the Gluon backward serves the call: what the forwards need (the identity score_mod, so
     no captured tensor wants a gradient), dO readable as (rows, D), and for a mask that is not dense
-    both its tables over 128x128 blocks."""
+    both its tables over 128x128 blocks, rows long enough and a call of at least
+    gluon.masked_min_flops (unless gluon.backward is "on")."""
     if not backward_may_apply(q, opts):
         return False
     policy = opts.dispatch.gluon

@@ -884,30 +884,33 @@ def test_gluon_forward_takes_the_sinks_in(caplog, mask, D):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_forced_gluon_backward_with_learning_sinks(caplog):
+@pytest.mark.parametrize("masked", [False, True])
+def test_forced_gluon_backward_with_learning_sinks(caplog, masked):
     """policy.gluon.backward='on' with sinks that want a gradient beside q, k and v: the Gluon dQ
-    kernel sums their delta (ROW_SUMS), and the gradients match the float64 reference; with the
-    sinks alone learning the call is refused, naming the sinks and the settings that would serve it."""
-    gen = torch.Generator().manual_seed(seed_of("gluon-refuses"))
+    kernel sums their delta (ROW_SUMS) over full blocks and, under a causal mask, partial ones, and
+    the gradients match the float64 reference; with the sinks alone learning the call is refused,
+    naming the sinks and the settings that would serve it."""
+    gen = torch.Generator().manual_seed(seed_of("gluon-refuses", masked))
     B, H, L, D = 1, 4, 1024, 128
     q, k, v = (torch.randn(B, H, L, D, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(3))
     sinks = make_sinks(H, gen, device="cuda", center=math.log(L))
+    bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, L, L, device="cuda") if masked else None
     opts = policy_options(gluon={"backward": "on"})
     # A dense dO: the Gluon backward reads dO as (rows, D), which out.sum()'s expanded ones are not.
     grad_out = torch.randn(B, H, L, D, generator=gen).cuda().bfloat16()
     with caplog.at_level(logging.DEBUG, logger="flexcore.dispatch"):
-        out = flex_attention(q, k, v, sinks=sinks, kernel_options=opts)
+        out = flex_attention(q, k, v, block_mask=bm, sinks=sinks, kernel_options=opts)
         ours = torch.autograd.grad(out, [q, k, v, sinks], grad_out)
     assert any("Gluon kernels" in m and "row sums True" in m for m in _dispatch_lines(caplog))
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
-    gold = flex_attention_reference(*leaves64[:3], sinks=leaves64[3])
+    gold = flex_attention_reference(*leaves64[:3], block_mask=bm, sinks=leaves64[3])
     golden = torch.autograd.grad(gold, leaves64, grad_out.double())
     base_leaves = [t.detach().requires_grad_() for t in (q, k, v, sinks)]
-    base = flex_attention_reference(*base_leaves[:3], sinks=base_leaves[3], upcast=False)
+    base = flex_attention_reference(*base_leaves[:3], block_mask=bm, sinks=base_leaves[3], upcast=False)
     baseline = torch.autograd.grad(base, base_leaves, grad_out)
     for name, a, g, b in zip(["dq", "dk", "dv", "dsinks"], ours, golden, baseline):
         assert_close_to_reference(a, g, b, metric="rel_fro", atol=1e-6, name=name)
-    out = flex_attention(q.detach(), k.detach(), v.detach(), sinks=sinks, kernel_options=opts)
+    out = flex_attention(q.detach(), k.detach(), v.detach(), block_mask=bm, sinks=sinks, kernel_options=opts)
     with pytest.raises(InputError, match="only the sinks want a gradient.*exact_delta"):
         torch.autograd.grad(out, [sinks], grad_out)
 
