@@ -123,7 +123,8 @@ class BackwardPolicy:
     #: that differ from run to run on the GPU (a race), so that is refused.
     warp_spec_kinds: tuple[str, ...] = ("dkdv",)
     #: Where captured tensors or sinks want gradients, delta is recomputed as rowsum(P * dP): by an
-    #: extra pass for captured tensors (their dS reads it), by the dQ programs for sinks alone.
+    #: extra pass where captured tensors do (their dS reads it), else by the dQ programs beside dQ
+    #: (by that pass alone where only sinks learn).
     exact_delta: bool = True
     #: One launch for the dK/dV and dQ programs. auto: timed against two at fused_head_dims (the
     #: first backward of each kernel and size); on/off: forced (out of shared memory splits anyway).

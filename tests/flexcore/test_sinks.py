@@ -913,6 +913,9 @@ def test_forced_gluon_backward_with_learning_sinks(caplog, masked):
     out = flex_attention(q.detach(), k.detach(), v.detach(), block_mask=bm, sinks=sinks, kernel_options=opts)
     with pytest.raises(InputError, match="only the sinks want a gradient.*exact_delta"):
         torch.autograd.grad(out, [sinks], grad_out)
+    # Sinks that do not learn: the forced Gluon backward runs.
+    out = flex_attention(q, k, v, block_mask=bm, sinks=sinks.detach(), kernel_options=opts)
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(out, [q, k, v], grad_out))
 
 
 @pytest.mark.gpu
