@@ -432,7 +432,7 @@ def _prepared(query, key, value, block_mask, scale, enable_gqa, kernel_options, 
             return call, mask
     validate_inputs(query, key, value, block_mask, scale, enable_gqa)
     opts = KernelOptions.from_any(kernel_options)
-    if query.dtype == FP8_DTYPE:  # the Triton template's FP8 path (flexcore.kernels.policy.fp8_policy)
+    if query.dtype == FP8_DTYPE:  # the FP8 rules (flexcore.kernels.policy.fp8_policy)
         opts = fp8_options(opts)
     if block_mask is None:
         block_mask = full_block_mask(query.shape[2], key.shape[2], query.device)

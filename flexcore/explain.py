@@ -63,7 +63,7 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
     attention.validate_inputs(query, key, value, block_mask, scale, enable_gqa)
     opts = KernelOptions.from_any(kernel_options)
     is_fp8 = query.dtype == fp8.FP8_DTYPE
-    if is_fp8:  # the FP8 rules: the Triton forward at every query length
+    if is_fp8:  # the FP8 rules: a forward kernel (not the decoding one) at every query length
         opts = fp8.fp8_options(opts)
     policy = opts.dispatch
     from flexcore.kernels import backward as bwd
@@ -79,6 +79,8 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
                                                                                         torch.bfloat16))
     mask_lowered = lower_mask_mod(block_mask.mask_mod)
     q, k, v = query.detach(), key.detach(), value.detach()
+    if is_fp8:  # the forwards read V key-major (flexcore.fp8.key_major), as a call lays it out
+        v = fp8.key_major(v)
     if k.shape[0] != B:
         k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
     where = "Triton interpreter" if use_interpreter() else f"{query.device}"
@@ -105,7 +107,8 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
             terms = _MASKED_TERMS if rule == "masked" and policy.gluon.masked == "auto" else ""
             lines.append(f"forward: Gluon {gluon[0]} kernel for Hopper ({where}), because "
                          f"{_switch('gluon', rule, getattr(policy.gluon, rule))} and the call is one it "
-                         f"serves (identity score_mod, 16-bit, head dim {D}, lengths multiple of "
+                         f"serves (identity score_mod, {'FP8' if is_fp8 else '16-bit'}, head dim {D}, "
+                         f"lengths multiple of "
                          f"{hopper.BLOCK_M}{terms}); "
                          f"the Triton template runs if it fails to build")
         else:
@@ -224,5 +227,6 @@ def _gluon_refusal(q, k, v, policy, dense: bool, small: bool, backward: bool = F
     if small:
         return (f"a masked call of {dense_flops(q, k, v):.3g} dense-equivalent FLOPs, under "
                 f"policy.gluon.masked_min_flops={policy.gluon.masked_min_flops:g}")
-    return ("the call is not one they serve (see flexcore.kernels.hopper: identity score_mod, 16-bit, "
-            f"head dim {128 if backward else '64 or 128'}, lengths multiple of 128, rows long enough)")
+    dims = "128" if backward else "64 or 128 (FP8: 128)"
+    return ("the call is not one they serve (see flexcore.kernels.hopper: identity score_mod, 16-bit or "
+            f"FP8, head dim {dims}, lengths multiple of 128, rows long enough)")

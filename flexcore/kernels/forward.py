@@ -404,7 +404,7 @@ def forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: f
         result, fixed, kv_desc = _forward(q, k, v, score_lowered, mask_lowered, used, scale, opts, caps,
                                           descales, sinks)
     if fixed is None:  # a Gluon kernel served the call: a repeated call goes straight to it
-        keep_plan(key, _HopperPlan(scale, kv_desc), (blocks,))
+        keep_plan(key, _HopperPlan(scale, kv_desc, opts.dispatch.launch), (blocks,))
         return result
     launches = direct_launches(record, 1)
     if launches is not None:
@@ -462,16 +462,17 @@ class _HopperPlan:
     """A repeated forward call that flexcore.kernels.hopper serves (the key fixes everything its
     choice read: shapes, strides, alignments, dtypes, device, mask, mods, scale and options)."""
 
-    __slots__ = ("scale", "masked")
+    __slots__ = ("scale", "masked", "policy")
 
-    def __init__(self, scale, masked):
+    def __init__(self, scale, masked, policy):
         self.scale = scale
         self.masked = masked  # the masked kernel's launch with the mask's tables, or None (dense)
+        self.policy = policy  # the LaunchPolicy of the dense kernel's launch
 
     def __call__(self, q, k, v, caps, descales=None, sinks=None):
         if self.masked is not None:
-            return self.masked(q, k, v, caps=caps, sinks=sinks)
-        return hopper.forward(q, k, v, self.scale, sinks)
+            return self.masked(q, k, v, caps=caps, sinks=sinks, descales=descales)
+        return hopper.forward(q, k, v, self.scale, sinks, descales, self.policy)
 
 
 class TemplateChoice(NamedTuple):
@@ -554,16 +555,17 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
     gluon = gluon_choice(q, k, v, score_lowered, mask_lowered, blocks, dense, scale, opts)
     sink_note = "" if sinks is None else ", sinks in the epilogue"
     if gluon is not None and gluon[0] == "dense":
-        result = hopper.forward(q, k, v, scale, sinks)
+        result = hopper.forward(q, k, v, scale, sinks, descales, opts.dispatch.launch)
         if result is not None:
             _log.debug("forward: Gluon dense kernel (head dim %d, %s%s)", D, q.dtype, sink_note)
             return result, None, None
     elif gluon is not None:
         module, table_args, has_full = gluon[1]
         run = functools.partial(hopper.forward_masked, module=module, table_args=table_args,
-                                has_full=has_full, scale=scale,
-                                key=("forward_hopper.py.tmpl", mask_lowered.source, D, sinks is not None))
-        result = run(q, k, v, caps=caps, sinks=sinks)
+                                has_full=has_full, scale=scale, policy=opts.dispatch.launch,
+                                key=("forward_hopper.py.tmpl", mask_lowered.source, q.dtype, D,
+                                     sinks is not None))
+        result = run(q, k, v, caps=caps, sinks=sinks, descales=descales)
         if result is not None:
             _log.debug("forward: Gluon masked kernel (head dim %d, %s%s)", D, q.dtype, sink_note)
             return result, None, run

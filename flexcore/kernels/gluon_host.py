@@ -11,16 +11,18 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma  # noqa: F401
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}
 
 
 @functools.lru_cache(maxsize=None)
-def _layout(block: int, head_dim: int, dtype: torch.dtype):
-    return gl.NVMMASharedLayout.get_default_for([block, head_dim], _GL_DTYPES[dtype])
+def _layout(block: int, cols: int, dtype: torch.dtype):
+    return gl.NVMMASharedLayout.get_default_for([block, cols], _GL_DTYPES[dtype])
 
 
-def descriptor(t: torch.Tensor, rows: int, block: int) -> TensorDescriptor:
+def descriptor(t: torch.Tensor, rows: int, block: int, block_cols: int | None = None) -> TensorDescriptor:
     """A TMA descriptor over ``rows`` rows of ``t`` (B, H, N, D) of row stride t.stride(2), based
-    at t's first element, read in blocks of ``block`` rows."""
+    at t's first element, read in blocks of ``block`` rows and ``block_cols`` columns (default all D;
+    FP8's V^T view reads BLOCK_N keys of its S columns)."""
     d = t.shape[-1]
-    return TensorDescriptor(t, [rows, d], [t.stride(2), 1], [block, d], _layout(block, d, t.dtype))
+    cols = d if block_cols is None else block_cols
+    return TensorDescriptor(t, [rows, d], [t.stride(2), 1], [block, cols], _layout(block, cols, t.dtype))

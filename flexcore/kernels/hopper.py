@@ -28,6 +28,12 @@ The outputs are the template's: out, lse (natural log) and row_stats (the row ma
 the scaled scores, and 1/l), so either backward reads them. With sinks (one logit per query head,
 flexcore.sinks) the epilogue adds each to its rows' denominator, as the template's does.
 
+Both forwards also take float8 e4m3 q, k, v at head dim 128 (FP8_HEAD_DIMS) with their descales
+(flexcore.fp8), where the policy forces them (flexcore.kernels.policy.fp8_policy: the template
+measured as fast): both products on the FP8 tensor cores, V read key-major through a descriptor
+over its transpose (:func:`_v_view`), P rounded to e4m3, a bfloat16 output
+(docs/decisions.md#fp8-forward).
+
 The backward (the template `backward_hopper.py.tmpl`, after the Triton preprocessing kernel of
 flexcore.kernels.backward) serves the same calls, with masks whose rows, and their transpose's,
 average gluon.backward_min_mean_blocks blocks or more, in calls of at least gluon.masked_min_flops:
@@ -47,6 +53,7 @@ import torch
 from flexcore._runtime import capturing, use_interpreter
 from flexcore.blockmask import block_map_of
 from flexcore.errors import InputError
+from flexcore.fp8 import FP8_DTYPE, OUTPUT_DTYPE
 
 # Which kernel serves a call is decided by the policy's ``gluon`` family (flexcore.kernels.policy):
 # - masked_min_flops: under a mask, calls smaller than this take the template, forward and
@@ -63,6 +70,7 @@ from flexcore.errors import InputError
 # - union_min_mean_blocks: masked_min_mean_blocks of the three-warpgroup kernel, whose 192-row
 #   programs of half-size tiles feel their setup more on short rows.
 HEAD_DIMS = frozenset({128})  # the backward
+FP8_HEAD_DIMS = frozenset({128})  # the FP8 forwards (two warpgroups; 148 KB of shared memory)
 BLOCK_M = 128  # query rows per program of the masked forward: two warpgroups of 64
 BLOCK_N = 128  # keys per tile
 NUM_STAGES = 3  # K and V slots: 3 x 2 x 32 KB + Q 32 KB at head dim 128
@@ -86,6 +94,8 @@ class GluonTiles(NamedTuple):
 DENSE_TILES = types.MappingProxyType({128: GluonTiles(2, NUM_STAGES, WG_REGS, MAX_REGS),
                                       64: GluonTiles(3, 4, 160, 128)})
 MASKED_TILES = DENSE_TILES
+# FP8 (head dim 128): K and V tiles take half the shared memory of 16-bit ones (148 KB at 3 slots).
+FP8_TILES = types.MappingProxyType({128: GluonTiles(2, NUM_STAGES, WG_REGS, MAX_REGS)})
 _LOG2E = 1.4426950408889634
 
 
@@ -123,9 +133,9 @@ def gluon_unavailable() -> str | None:
 def _refuse(kernel: str, setting: str) -> InputError:
     return InputError(f"the Gluon {kernel} kernel was required (kernel_options backend='gluon' or "
                       f"policy.gluon.{setting}='on') but cannot serve this call: it takes the identity "
-                      f"score_mod in bf16/fp16 at head dim {sorted(DENSE_TILES)} with lengths that are "
-                      f"multiples of {BLOCK_M}, on an sm_90 GPU; use backend='auto' to fall back to the "
-                      f"Triton kernels (flexcore.explain shows why)")
+                      f"score_mod in bf16/fp16 at head dim {sorted(DENSE_TILES)} (float8_e4m3fn at "
+                      f"{sorted(FP8_HEAD_DIMS)}) with lengths that are multiples of {BLOCK_M}, on an sm_90 "
+                      f"GPU; use backend='auto' to fall back to the Triton kernels (flexcore.explain shows why)")
 
 
 def _rows(t: torch.Tensor) -> tuple[int, int, int] | None:
@@ -146,17 +156,24 @@ def _rows(t: torch.Tensor) -> tuple[int, int, int] | None:
     return rows, rb, rh
 
 
+def _v_view(v: torch.Tensor) -> torch.Tensor:
+    """The view of V that the kernels' descriptor reads: V itself, or for FP8 (key-major V) its
+    transpose (B, H, D, S), whose rows are V's columns."""
+    return v.transpose(2, 3) if v.dtype == FP8_DTYPE else v
+
+
 def _common(q, k, v, score_lowered, scale: float, opts, head_dims=HEAD_DIMS) -> bool:
     """What both kernels need: see the module's docstring."""
     B, Hq, L, D = q.shape
     S, Dv = k.shape[2], v.shape[3]
     ok = (
-        D in head_dims and Dv == D and q.dtype in (torch.bfloat16, torch.float16)
+        D in head_dims and Dv == D
+        and (q.dtype in (torch.bfloat16, torch.float16) or (q.dtype == FP8_DTYPE and D in FP8_HEAD_DIMS))
         and k.dtype == q.dtype and v.dtype == q.dtype
         and score_lowered.is_trivial and not score_lowered.captured and scale > 0
         and L % BLOCK_M == 0 and S % BLOCK_N == 0 and L > 0 and S > 0
         and not opts.pins_tiles and _device_ok(q.device.index or 0)
-        and all(_rows(t) is not None for t in (q, k, v)) and _gluon_host() is not None
+        and all(_rows(t) is not None for t in (q, k, _v_view(v))) and _gluon_host() is not None
     )
     return ok
 
@@ -371,13 +388,18 @@ def _prepare(q, k, v):
 
     mod = _gluon_host()
     B, Hq, L, D = q.shape
-    out = empty_output(q, D)  # contiguous (applies, applies_masked), with the strides torch gives
+    fp8 = q.dtype == FP8_DTYPE
+    # contiguous (applies, applies_masked), with the strides torch gives
+    out = empty_output(q, D, OUTPUT_DTYPE if fp8 else None)
     lse = torch.empty((B, Hq, L), dtype=torch.float32, device=q.device)
     row_stats = torch.empty((2, B, Hq, L), dtype=torch.float32, device=q.device)
-    (q_rows, q_rb, q_rh), (k_rows, k_rb, k_rh), (v_rows, v_rb, v_rh) = _rows(q), _rows(k), _rows(v)
+    v_view = _v_view(v)
+    (q_rows, q_rb, q_rh), (k_rows, k_rb, k_rh), (v_rows, v_rb, v_rh) = _rows(q), _rows(k), _rows(v_view)
     half = BLOCK_M // 2
+    # FP8's V^T tiles: all D rows of a head by BLOCK_N keys
+    v_desc = (mod.descriptor(v_view, v_rows, D, BLOCK_N) if fp8 else mod.descriptor(v, v_rows, BLOCK_N))
     descs = (mod.descriptor(q, q_rows, half), mod.descriptor(k, k_rows, BLOCK_N),
-             mod.descriptor(v, v_rows, BLOCK_N), mod.descriptor(out, B * Hq * L, half), lse, row_stats)
+             v_desc, mod.descriptor(out, B * Hq * L, half), lse, row_stats)
     return (out, lse, row_stats), descs, (q_rb, q_rh, k_rb, k_rh, v_rb, v_rh)
 
 
@@ -387,20 +409,22 @@ def _sizes(q, k, scale: float) -> tuple:
 
 
 def forward_masked(q, k, v, module, table_args: tuple, has_full: bool, scale: float, caps: tuple, key,
-                   sinks=None):
+                   sinks=None, descales=None, policy=None):
     """As :func:`forward`, over the tables of :func:`masked_tables`. None where the kernel fails to
     compile for this mask (the first launch of ``key``; the caller then takes the template)."""
     if key in _unsupported:
         return None
-    return _forward(q, k, v, module, table_args, False, has_full, scale, caps, key, MASKED_TILES[q.shape[3]],
-                    sinks)
+    return _forward(q, k, v, module, table_args, False, has_full, scale, caps, key,
+                    (FP8_TILES if descales is not None else MASKED_TILES)[q.shape[3]], sinks, descales, policy)
 
 
-def forward(q, k, v, scale: float, sinks=None):
+def forward(q, k, v, scale: float, sinks=None, descales=None, policy=None):
     """out (B, Hq, L, D), lse (B, Hq, L) and row_stats (2, B, Hq, L), as the template's forward;
     None where the kernel failed to build (see _launch_once; the caller takes the template).
     ``sinks``: (Hq,) logits of unit stride that join each row's denominator, or None
-    (flexcore.kernels.forward.forward)."""
+    (flexcore.kernels.forward.forward). ``descales``: flexcore.fp8.Descales of float8 q, k and
+    key-major v (the output is then bfloat16), or None. ``policy``: the LaunchPolicy of the
+    launches (flexcore.kernels.launch.run; None: the defaults)."""
     module = dense_module()
     if module is None:
         return None
@@ -408,21 +432,31 @@ def forward(q, k, v, scale: float, sinks=None):
     if key in _unsupported:
         return None
     # DENSE reads no tables: any pointer and stride will do.
-    return _forward(q, k, v, module, (q,) * 4 + (0,) * 12, True, False, scale, (), key, DENSE_TILES[q.shape[3]],
-                    sinks)
+    return _forward(q, k, v, module, (q,) * 4 + (0,) * 12, True, False, scale, (), key,
+                    (FP8_TILES if descales is not None else DENSE_TILES)[q.shape[3]], sinks, descales, policy)
 
 
 def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, scale: float, caps: tuple, key,
-             tiles: GluonTiles, sinks=None):
+             tiles: GluonTiles, sinks=None, descales=None, policy=None):
+    from flexcore.kernels.launch import run
+    from flexcore.kernels.policy import LaunchPolicy
+
     result, descs, strides = _prepare(q, k, v)
     B, Hq, L, D = q.shape
     rows = tiles.num_wg * (BLOCK_M // 2)
     union = not dense and tiles.num_wg == 3  # programs over two mask blocks: union_tables
-    # Without sinks lse stands in for their pointer (unread: HAS_SINKS).
-    launch = functools.partial(
-        module.flex_hopper_fwd[(-(-L // rows), B * Hq)], *descs, descs[4] if sinks is None else sinks,
-        *table_args, *strides, *_sizes(q, k, scale), *caps, dense, has_full, sinks is not None, BLOCK_M // 2,
-        BLOCK_N, D, tiles.stages, tiles.wg_regs, tiles.num_wg, union, num_warps=4, maxnreg=tiles.max_regs)
+    # lse stands in for the pointers a call does not read (sinks without HAS_SINKS, descales
+    # without FP8).
+    stand_in = descs[4]
+    scales = (stand_in,) * 3 if descales is None else descales[:3]
+    args = (*descs, stand_in if sinks is None else sinks, *scales, *table_args, *strides, *_sizes(q, k, scale),
+            *((0,) * 7 if descales is None else descales.layout), *caps)
+    constexprs = dict(DENSE=dense, HAS_FULL_BLOCKS=has_full, HAS_SINKS=sinks is not None,
+                      FP8=descales is not None, BLOCK_M=BLOCK_M // 2, BLOCK_N=BLOCK_N, HEAD_DIM=D,
+                      NUM_STAGES=tiles.stages, WG_REGS=tiles.wg_regs, NUM_WG=tiles.num_wg, UNION=union,
+                      num_warps=4, maxnreg=tiles.max_regs)
+    launch = functools.partial(run, module.flex_hopper_fwd, (-(-L // rows), B * Hq), args, constexprs,
+                               LaunchPolicy() if policy is None else policy)
     return result if _launch_once(key, launch) else None
 
 

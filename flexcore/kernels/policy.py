@@ -265,22 +265,15 @@ def resolve(backend: str, policy: DispatchPolicy | None) -> DispatchPolicy:
 
 
 def fp8_policy(policy: DispatchPolicy) -> DispatchPolicy:
-    """The policy of a float8_e4m3fn call (the policy the kernels read, ``KernelOptions.dispatch``):
-    the Triton forward template serves it, with K/V descriptors made per program.
+    """The policy of a float8_e4m3fn call (the policy the kernels read, ``KernelOptions.dispatch``).
 
-    - The Gluon kernels are off: they are scheduled for 16-bit wgmma operands (P·V reads V in its
-      natural layout, which FP8 tensor cores cannot: both FP8 operands must be K-major), while the
-      template takes FP8 with one constexpr and V laid out key-major by the host.
+    - The Gluon forwards serve FP8 (head dim 128) only where forced ("on", or backend="gluon"):
+      "auto" becomes "off", because the Triton template's FP8 path measured as fast or faster
+      (docs/decisions.md#fp8-forward).
     - ``forward.kv_rows`` and ``forward.warp_spec`` are off: both read V row-major through one
       descriptor over all rows, and FP8 reads V key-major.
-
-    InputError where the policy forces a Gluon kernel (``backend='gluon'`` or a gluon field "on").
     """
-    forced = [name for name in ("dense", "masked", "backward") if getattr(policy.gluon, name) == "on"]
-    if forced:
-        raise InputError(f"float8_e4m3fn inputs run on the Triton forward template, but the Gluon "
-                         f"kernels were required (kernel_options backend='gluon' or policy.gluon."
-                         f"{forced[0]}='on'): the Gluon kernels take bfloat16/float16 only. Use "
-                         f"backend 'auto' or 'triton' for FP8")
-    return policy.replace(gluon=dict(dense="off", masked="off", backward="off"),
+    gluon = policy.gluon
+    return policy.replace(gluon=dict(dense="on" if gluon.dense == "on" else "off",
+                                     masked="on" if gluon.masked == "on" else "off"),
                           forward=dict(kv_rows="off", warp_spec="off"))

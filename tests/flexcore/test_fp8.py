@@ -249,12 +249,12 @@ def test_quantize_round_trip_and_layouts():
     assert torch.equal(dequantize(x8, pow2, torch.bfloat16).double(), dequantize(x8, pow2))
 
 
-def test_fp8_policy_routes_to_the_triton_template():
+def test_fp8_policy_runs_the_gluon_forwards_only_where_forced():
     policy = fp8_policy(DispatchPolicy())
-    assert (policy.gluon.dense, policy.gluon.masked, policy.gluon.backward) == ("off",) * 3
+    assert (policy.gluon.dense, policy.gluon.masked) == ("off", "off")
     assert policy.forward.kv_rows == "off" and policy.forward.warp_spec == "off"
-    with pytest.raises(InputError, match="Gluon kernels were required"):
-        fp8_policy(DispatchPolicy().replace(gluon={"dense": "on"}))
+    forced = fp8_policy(DispatchPolicy().replace(gluon={"dense": "on"}))
+    assert (forced.gluon.dense, forced.gluon.masked) == ("on", "off")
 
 
 # ---- bad input ------------------------------------------------------------------------------
@@ -324,8 +324,6 @@ def test_fp8_refuses_kernels_without_an_fp8_path(fp8_call):
     inputs, d = fp8_call
     with pytest.raises(InputError, match="decoding kernel, which has no FP8 path"):
         flex_attention(*inputs, kernel_options=KernelOptions(decode=True), **d)
-    with pytest.raises(InputError, match="Gluon kernels were required"):
-        flex_attention(*inputs, kernel_options=policy_options(gluon={"masked": "on"}), **d)
 
 
 def test_fp8_on_a_gpu_without_fp8_tensor_cores(monkeypatch):
@@ -405,3 +403,97 @@ def test_a_repeated_call_reads_each_calls_descales():
     bound = e4m3_bound(qd, kd, vd, golden, None, None, 1 / math.sqrt(16))
     assert float(((third.double() - golden).abs() / bound).max()) <= 1.0
     assert float(((first.double() - golden).abs() / bound).max()) > 1.0
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _spy_served(monkeypatch, name: str) -> list:
+    """Whether each call of flexcore.kernels.hopper.<name> was served (its result not None)."""
+    from flexcore.kernels import hopper
+
+    calls, real = [], getattr(hopper, name)
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(hopper, name, spy)
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("B, Hq, Hkv, S, mask, layout, with_sinks", [
+    (2, 4, 4, 1024, "none", "heads", False),     # the dense kernel
+    (2, 4, 2, 1024, "none", "qheads", True),     # dense, GQA, q's descale per query head, sinks
+    (1, 8, 2, 2048, "causal", "heads", False),   # masked, GQA, q's descale per KV head
+    (1, 4, 4, 2048, "window", "tensor", True),   # masked, partial and full blocks, per-tensor descales, sinks
+])
+def test_fp8_gluon_forwards_gpu(monkeypatch, B, Hq, Hkv, S, mask, layout, with_sinks):
+    """The Gluon forwards at head dim 128 on FP8 inputs (forced, so that they serve these sizes):
+    within the e4m3 bound of float64, and against the bf16 Gluon call on the same inputs as the
+    template's FP8 test bounds it; a repeated call (the kept plan) reads its own descales."""
+    rule = "dense" if mask == "none" else "masked"
+    calls = _spy_served(monkeypatch, "forward" if rule == "dense" else "forward_masked")
+    opts = policy_options(gluon={rule: "on"})  # raises if the Gluon kernel cannot serve the call
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("gluon-fp8", B, Hq, Hkv, S, mask, layout))
+
+    def tensor(H):
+        return torch.randn(B, H, S, 128, generator=gen, device="cuda")
+
+    per_tensor = layout == "tensor"
+    q8, dq = quantize(tensor(Hq), heads=Hkv if layout == "heads" else None, per_tensor=per_tensor,
+                      power_of_two=True)
+    (k8, dk), (v8, dv) = (quantize(tensor(Hkv), per_tensor=per_tensor, power_of_two=True) for _ in range(2))
+    descales = dict(descale_q=dq, descale_k=dk, descale_v=dv)
+    mask_mod = {"none": None, "causal": causal,
+                "window": lambda b, h, q, kv: (q >= kv) & (q - kv < S // 4)}[mask]
+    bm = None if mask_mod is None else create_block_mask(mask_mod, None, None, S, S, device="cuda")
+    sinks = torch.linspace(-1.0, 2.0, Hq, device="cuda") if with_sinks else None
+    gqa = Hq != Hkv
+    what = f"gluon fp8 {rule} {S} {mask} {layout}"
+    out, _, golden, _ = check_fp8((q8, k8, v8), descales, block_mask=bm, mask_mod=mask_mod, enable_gqa=gqa,
+                                  kernel_options=opts, sinks=sinks, what=what)
+    assert calls == [True], f"{what}: the Gluon kernel did not serve the call"
+    qb, kb, vb = (dequantize(t, descales[n], torch.bfloat16) for t, n in
+                  zip((q8, k8, v8), ("descale_q", "descale_k", "descale_v")))
+    with torch.no_grad():
+        out_bf16 = flex_attention(qb, kb, vb, block_mask=bm, enable_gqa=gqa, kernel_options=opts, sinks=sinks)
+    err_fp8 = float((out.double() - golden).norm() / golden.norm())
+    err_bf16 = float((out_bf16.double() - golden).norm() / golden.norm())
+    assert err_bf16 < err_fp8 <= 2 * (U_E4M3 / U_BF16) * err_bf16, (what, err_fp8, err_bf16)
+    # The kept plan: doubling descale_v doubles the output exactly (bfloat16 scales by 2).
+    with torch.no_grad():
+        again = flex_attention(q8, k8, v8, block_mask=bm, enable_gqa=gqa, kernel_options=opts, sinks=sinks,
+                               **dict(descales, descale_v=dv * 2))
+    assert calls[-1] is True and torch.equal(again, out * 2), what
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")
+def test_a_forced_gluon_fp8_forward_at_head_dim_64_is_refused():
+    """The Gluon forwards take FP8 at head dim 128 only: forcing one at 64 names what it serves."""
+    q8, dq = quantize(torch.randn(1, 2, 256, 64, device="cuda"))
+    (k8, dk), (v8, dv) = quantize(torch.randn(1, 2, 256, 64, device="cuda")), \
+        quantize(torch.randn(1, 2, 256, 64, device="cuda"))
+    with pytest.raises(InputError, match=r"float8_e4m3fn at \[128\]"):
+        flex_attention(q8, k8, v8, kernel_options=policy_options(gluon={"dense": "on"}),
+                       descale_q=dq, descale_k=dk, descale_v=dv)
+
+
+@pytest.mark.parametrize("shape, transposed", [((2, 3, 100, 80), False), ((1, 2, 64, 16), True)])
+def test_key_major_copy_kernel(shape, transposed):
+    """The tile-transposing copy that key_major runs on CUDA (here under the interpreter): the same
+    values, key stride 1, rows of keys padded to 16, from row-major and head-interleaved layouts."""
+    from flexcore.kernels.layout import key_major_copy
+
+    B, H, S, D = shape
+    x = torch.randn((B, S, H, D) if transposed else shape, generator=torch.Generator().manual_seed(3))
+    v = (x.transpose(1, 2) if transposed else x).to(FP8_DTYPE)
+    padded = -(-S // 16) * 16
+    out = key_major_copy(v, padded)
+    assert out.shape == v.shape and out.stride(2) == 1 and out.stride(3) == padded
+    assert torch.equal(out.view(torch.uint8), v.view(torch.uint8))

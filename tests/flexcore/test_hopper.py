@@ -139,14 +139,13 @@ def test_gluon_forward_grid_and_tiles(monkeypatch, D, dense, L, programs, num_wg
     # The host side of the Gluon forwards, on any machine: the grid covers every query row with
     # programs of num_wg warpgroups of 64 rows (at head dim 64: FlashAttention-3's 192), which walk
     # union lists (UNION) where a mask's 128-row blocks do not match them.
-    launched = []
+    from flexcore.kernels import launch
 
-    class Kernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launched.append((grid, args, kwargs))
+    launched = []
+    monkeypatch.setattr(launch, "run", lambda kernel, grid, args, kwargs, policy: launched.append((grid, args, kwargs)))
 
     class Module:
-        flex_hopper_fwd = Kernel()
+        flex_hopper_fwd = object()
 
     q = torch.zeros(2, 3, L, D, dtype=torch.bfloat16)
     monkeypatch.setattr(hopper, "_prepare", lambda q, k, v: ("result", (None,) * 6, (0,) * 6))
@@ -162,8 +161,9 @@ def test_gluon_forward_grid_and_tiles(monkeypatch, D, dense, L, programs, num_wg
     tiles = (hopper.DENSE_TILES if dense else hopper.MASKED_TILES)[D]
     assert tiles.num_wg == num_wg
     assert grid == (programs, 2 * 3) and (grid[0] - 1) * num_wg * 64 < L <= grid[0] * num_wg * 64
-    assert args[-6:] == (hopper.BLOCK_N, D, tiles.stages, tiles.wg_regs, num_wg, not dense and num_wg == 3)
-    assert kwargs == {"num_warps": 4, "maxnreg": tiles.max_regs}
+    assert kwargs == dict(DENSE=dense, HAS_FULL_BLOCKS=not dense, HAS_SINKS=False, FP8=False, BLOCK_M=64,
+                          BLOCK_N=hopper.BLOCK_N, HEAD_DIM=D, NUM_STAGES=tiles.stages, WG_REGS=tiles.wg_regs,
+                          NUM_WG=num_wg, UNION=not dense and num_wg == 3, num_warps=4, maxnreg=tiles.max_regs)
 
 
 def _union_masks(N: int) -> dict:
