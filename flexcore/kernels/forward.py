@@ -285,6 +285,18 @@ def _fixed_tiles(config: tuple[int, int, int, int], sparse: tuple[int, int], opt
     return dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=opts.num_warps or w, num_stages=opts.num_stages or s)
 
 
+def _interpreter_tiles(sparse: tuple[int, int], opts: KernelOptions) -> dict:
+    """BLOCK_M and BLOCK_N under the interpreter, for the eager and the inline forward alike: 64 (it
+    costs the same per loop step whatever the tile), fitted to the mask's ``sparse`` blocks; the
+    options' own values, where given, take precedence (checked). A row's products may round
+    otherwise with BLOCK_M (numpy's matmul of a (BLOCK_M, D) tile, per BLAS kernel), so both
+    forwards take the same tiles and the backwards that read their row statistics agree bit for bit."""
+    sparse_q, sparse_kv = sparse
+    bm = check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(64, sparse_q, "query")
+    bn = check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(64, sparse_kv, "key")
+    return dict(BLOCK_M=bm, BLOCK_N=bn)
+
+
 def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: int,
               dense: bool = False, warp_spec: bool = False, kv_rows: bool = False):
     """Return (kernel, fixed_meta) where fixed_meta holds the tile constexprs when not autotuning.
@@ -296,9 +308,7 @@ def _launcher(module, head_dim_pad, dtype, sparse, opts: KernelOptions, q_len: i
     warp_spec = dense and warp_spec  # forward() passes it only where the policy allows it
     ws_only = warp_spec and opts.dispatch.forward.warp_spec == "on"
     if use_interpreter():
-        bm = check_tile(opts.BLOCK_M, sparse_q, "BLOCK_M", "query") if opts.BLOCK_M else fit_tile(64, sparse_q, "query")
-        bn = check_tile(opts.BLOCK_N, sparse_kv, "BLOCK_N", "key") if opts.BLOCK_N else fit_tile(64, sparse_kv, "key")
-        return kernel, dict(BLOCK_M=bm, BLOCK_N=bn, **({"WARP_SPEC": True} if ws_only else {}))
+        return kernel, dict(_interpreter_tiles(sparse, opts), **({"WARP_SPEC": True} if ws_only else {}))
     itemsize = torch.empty((), dtype=dtype).element_size()
     # ((BLOCK_M, BLOCK_N, num_warps, num_stages), warp-specialized), best first.
     candidates = [(c, False) for c in _candidates(head_dim_pad, itemsize, dense, sparse, dtype == FP8_DTYPE)]
@@ -668,7 +678,8 @@ def forward_inline(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors | 
     for the compiled call that Inductor launches itself (flexcore.ops, "inline" forward). Every
     decision reads shapes, dtypes and options only (no table statistics, timings or host
     descriptors), so that it can be traced with fake tensors: natural launch order, pointer loads,
-    the first tile candidate. ``blocks`` None: no mask (the dense path)."""
+    the first tile candidate (under the interpreter, the eager forward's: _interpreter_tiles).
+    ``blocks`` None: no mask (the dense path)."""
     from torch.library import wrap_triton
 
     B, Hq, L, D = q.shape
@@ -686,8 +697,9 @@ def forward_inline(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors | 
     args, _, constexprs = _template_args(q, k, v, out, lse, row_stats, blocks, None, 0, score_lowered,
                                          scale, opts, caps, None, None, stand_in=stand_in, dense=dense,
                                          tma=False, runs=False)
-    tiles = _fixed_tiles(_candidates(max(pad_head_dim(D), pad_head_dim(Dv)), q.element_size(), dense,
-                                     blocks.sparse_block)[0], blocks.sparse_block, opts)
+    tiles = (_interpreter_tiles(blocks.sparse_block, opts) if use_interpreter() else
+             _fixed_tiles(_candidates(max(pad_head_dim(D), pad_head_dim(Dv)), q.element_size(), dense,
+                                      blocks.sparse_block)[0], blocks.sparse_block, opts))
     # torch's kernel wrapper binds arguments by name without the signature's defaults: pass every
     # constexpr.
     for name, default in _constexpr_defaults(kernel).items():
