@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -407,6 +408,29 @@ def shape_spy(monkeypatch, module, name: str) -> list:
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+def _hopper() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+#: Skips a test where no sm_90 (Hopper) GPU runs the Gluon kernels.
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")
+
+
+def served_spy(monkeypatch, module, name: str) -> list:
+    """Patches ``module.name`` to record, on every call, whether it served the call (its result not
+    None: the Gluon kernels return None where they fail to build and the template serves)."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append(result is not None)
+        return result
 
     monkeypatch.setattr(module, name, spy)
     return calls

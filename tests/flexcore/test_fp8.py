@@ -15,8 +15,10 @@ import torch
 from flexcore import AuxRequest, KernelOptions, create_block_mask, flex_attention
 from flexcore.errors import InputError
 from flexcore.fp8 import FP8_DTYPE, check_fp8_device, dequantize, key_major, quantize
+from flexcore.kernels import hopper
 from flexcore.kernels.policy import DispatchPolicy, fp8_policy
 from flexcore.reference import flex_attention_reference
+from tests.flexcore.helpers import needs_hopper, served_spy
 from tests.flexcore.policies import policy_options
 
 # The kernel's own rounding, per output element (the inputs are exact: the golden takes the same
@@ -405,27 +407,8 @@ def test_a_repeated_call_reads_each_calls_descales():
     assert float(((first.double() - golden).abs() / bound).max()) > 1.0
 
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-def _spy_served(monkeypatch, name: str) -> list:
-    """Whether each call of flexcore.kernels.hopper.<name> was served (its result not None)."""
-    from flexcore.kernels import hopper
-
-    calls, real = [], getattr(hopper, name)
-
-    def spy(*args, **kwargs):
-        result = real(*args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(hopper, name, spy)
-    return calls
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")
+@needs_hopper
 @pytest.mark.parametrize("B, Hq, Hkv, S, mask, layout, with_sinks", [
     (2, 4, 4, 1024, "none", "heads", False),     # the dense kernel
     (2, 4, 2, 1024, "none", "qheads", True),     # dense, GQA, q's descale per query head, sinks
@@ -437,7 +420,7 @@ def test_fp8_gluon_forwards_gpu(monkeypatch, B, Hq, Hkv, S, mask, layout, with_s
     within the e4m3 bound of float64, and against the bf16 Gluon call on the same inputs as the
     template's FP8 test bounds it; a repeated call (the kept plan) reads its own descales."""
     rule = "dense" if mask == "none" else "masked"
-    calls = _spy_served(monkeypatch, "forward" if rule == "dense" else "forward_masked")
+    calls = served_spy(monkeypatch, hopper, "forward" if rule == "dense" else "forward_masked")
     opts = policy_options(gluon={rule: "on"})  # raises if the Gluon kernel cannot serve the call
     gen = torch.Generator(device="cuda").manual_seed(seed_of("gluon-fp8", B, Hq, Hkv, S, mask, layout))
 
@@ -473,7 +456,7 @@ def test_fp8_gluon_forwards_gpu(monkeypatch, B, Hq, Hkv, S, mask, layout, with_s
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")
+@needs_hopper
 def test_a_forced_gluon_fp8_forward_at_head_dim_64_is_refused():
     """The Gluon forwards take FP8 at head dim 128 only: forcing one at 64 names what it serves."""
     q8, dq = quantize(torch.randn(1, 2, 256, 64, device="cuda"))

@@ -12,7 +12,8 @@ from flexcore.kernels.policy import DEFAULT_POLICY
 from tests.flexcore.cases import Shape
 from tests.flexcore.compare import assert_matches_reference, seed_of
 from tests.flexcore.policies import policy_options
-from tests.flexcore.helpers import check_backward, check_lse_grads, kernel_grads, shape_spy
+from tests.flexcore.helpers import (check_backward, check_lse_grads, kernel_grads, needs_hopper, served_spy,
+                                    shape_spy)
 
 
 # --- the layout check, on any machine ---
@@ -298,11 +299,6 @@ def test_backward_long_rows(mask, long):
 
 # --- on an sm_90 GPU ---
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")
 
 
 def _spy(monkeypatch) -> list:
@@ -436,22 +432,8 @@ def test_repeated_calls_and_cuda_graphs(monkeypatch):
 
 # --- the masked kernel (forward_hopper.py.tmpl) ---
 
-def _spy_served(monkeypatch, name: str) -> list:
-    """Whether each call of hopper.<name> (forward_masked, backward) was served (not None)."""
-    calls = []
-    real = getattr(hopper, name)
-
-    def spy(*args, **kwargs):
-        result = real(*args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(hopper, name, spy)
-    return calls
-
-
 def _spy_masked(monkeypatch) -> list:
-    return _spy_served(monkeypatch, "forward_masked")
+    return served_spy(monkeypatch, hopper, "forward_masked")
 
 
 def _edge_mask(case: str):
@@ -622,7 +604,7 @@ def test_small_masked_calls_take_the_template(monkeypatch, lifted):
 # --- the backward (backward_hopper.py.tmpl) ---
 
 def _spy_backward(monkeypatch) -> list:
-    return _spy_served(monkeypatch, "backward")
+    return served_spy(monkeypatch, hopper, "backward")
 
 
 def _check_grads(q, k, v, bm, what: str, enable_gqa=False, scale=None, kernel_options=None):

@@ -25,6 +25,7 @@ from flexcore.errors import InputError
 from flexcore.reference import flex_attention_reference
 from flexcore.sinks import apply_sinks
 from flexcore.testing import assert_close_to_reference
+from tests.flexcore.helpers import needs_hopper
 from tests.flexcore.policies import policy_options
 
 ATOL = {torch.float64: 1e-10, torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-3}
@@ -841,11 +842,6 @@ def test_compiled_inductor_gpu(sink_paths):
 
 # -- Hopper GPU: the Gluon forwards take the sinks in their epilogue --------------------------------
 
-def _hopper() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
-
-
-needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs an sm_90 (Hopper) GPU")
 
 # Dense: every block full (the dense Gluon kernel); causal with an empty row and a sliding window:
 # the masked Gluon kernel (forced by the policy, which otherwise keeps short rows on the template).
