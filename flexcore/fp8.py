@@ -218,8 +218,8 @@ def key_major(value: Tensor) -> Tensor:
     B, H, S, Dv = value.shape
     padded = -(-S // 16) * 16
     if value.is_cuda and value.stride(3) == 1:
-        # A kernel moving tiles: torch's strided copy of 1-byte elements took about 0.2 ms at
-        # B1 H16 S16k D128 (docs/decisions.md#fp8-forward).
+        # A kernel moving tiles, coalesced on both sides: torch's strided copy of 1-byte elements
+        # is not (docs/decisions.md#fp8-forward).
         from flexcore.kernels.layout import key_major_copy
 
         return key_major_copy(value, padded)

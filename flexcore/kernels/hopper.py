@@ -414,8 +414,7 @@ def forward_masked(q, k, v, module, table_args: tuple, has_full: bool, scale: fl
     compile for this mask (the first launch of ``key``; the caller then takes the template)."""
     if key in _unsupported:
         return None
-    return _forward(q, k, v, module, table_args, False, has_full, scale, caps, key,
-                    (FP8_TILES if descales is not None else MASKED_TILES)[q.shape[3]], sinks, descales, policy)
+    return _forward(q, k, v, module, table_args, False, has_full, scale, caps, key, sinks, descales, policy)
 
 
 def forward(q, k, v, scale: float, sinks=None, descales=None, policy=None):
@@ -432,17 +431,17 @@ def forward(q, k, v, scale: float, sinks=None, descales=None, policy=None):
     if key in _unsupported:
         return None
     # DENSE reads no tables: any pointer and stride will do.
-    return _forward(q, k, v, module, (q,) * 4 + (0,) * 12, True, False, scale, (), key,
-                    (FP8_TILES if descales is not None else DENSE_TILES)[q.shape[3]], sinks, descales, policy)
+    return _forward(q, k, v, module, (q,) * 4 + (0,) * 12, True, False, scale, (), key, sinks, descales, policy)
 
 
 def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, scale: float, caps: tuple, key,
-             tiles: GluonTiles, sinks=None, descales=None, policy=None):
+             sinks=None, descales=None, policy=None):
     from flexcore.kernels.launch import run
     from flexcore.kernels.policy import LaunchPolicy
 
     result, descs, strides = _prepare(q, k, v)
     B, Hq, L, D = q.shape
+    tiles = (FP8_TILES if descales is not None else DENSE_TILES if dense else MASKED_TILES)[D]
     rows = tiles.num_wg * (BLOCK_M // 2)
     union = not dense and tiles.num_wg == 3  # programs over two mask blocks: union_tables
     # lse stands in for the pointers a call does not read (sinks without HAS_SINKS, descales

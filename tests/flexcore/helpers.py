@@ -289,10 +289,9 @@ def check_call(shape: Shape, dtype, gen, score_mod, gold_mod, caps, caps64, bm, 
     for name, a, g, b in zip(names, ours, golden, baseline):
         assert torch.isfinite(a).all(), f"{what}: {name} has NaN/inf"
         # A captured tensor's float32 gradient sums dS times the mod's derivative over every score,
-        # and the rounding of dS's row sums (zero in exact arithmetic) adds up in it: about 1e-6 at
-        # these sizes for torch and flexcore alike, and torch's error in one draw is a noisy yardstick
-        # (72 draws of the square97 temperature case: flexcore's median 5.6e-7, torch's 6.4e-7,
-        # torch's own from 1.4e-7 to above 1e-6). Hence 2e-6 (about 17 float32 ulps) beside 2x torch's.
+        # and the rounding of dS's row sums (zero in exact arithmetic) adds up in it, for torch and
+        # flexcore alike; torch's error in one draw is a noisy yardstick of it
+        # (docs/decisions.md#exact-delta). Hence 2e-6 (about 17 float32 ulps) beside 2x torch's.
         atol = (2e-6 if name.startswith("dcap") else 1e-6) if dtype == torch.float32 else 1e-3
         assert_close_to_reference(a, g, b, metric="rel_fro", atol=atol, name=f"{what}: {name}")
     return ours
