@@ -439,6 +439,10 @@ def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, sc
     from flexcore.kernels.launch import run
     from flexcore.kernels.policy import LaunchPolicy
 
+    if descales is not None:  # the kernel's P operand holds each 32-key group in its own order
+        from flexcore.kernels.layout import key_major_copy
+
+        v = key_major_copy(v, v.shape[2], operand_order=True)
     result, descs, strides = _prepare(q, k, v)
     B, Hq, L, D = q.shape
     tiles = (FP8_TILES if descales is not None else DENSE_TILES if dense else MASKED_TILES)[D]

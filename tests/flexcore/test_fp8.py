@@ -480,3 +480,28 @@ def test_key_major_copy_kernel(shape, transposed):
     out = key_major_copy(v, padded)
     assert out.shape == v.shape and out.stride(2) == 1 and out.stride(3) == padded
     assert torch.equal(out.view(torch.uint8), v.view(torch.uint8))
+
+
+def test_operand_order_copy_matches_the_gluon_kernels_key_order():
+    """The Gluon FP8 forward renumbers the keys of each 32-key group so that its P operand needs
+    no shuffles (forward_hopper.py.tmpl, _p_operand: a reshape to 2x2x2x2x2 and the permutation
+    (0, 1, 2, 4, 5, 3, 6)); the V copy it reads (key_major_copy with operand_order, here under the
+    interpreter) holds the same keys at the same positions, so P·V is unchanged, from row-major and
+    key-major V alike."""
+    from flexcore.kernels.layout import key_major_copy
+
+    B, H, S, D = 2, 3, 128, 16
+    gen = torch.Generator().manual_seed(11)
+    v = torch.randn(B, H, S, D, generator=gen).to(FP8_DTYPE)
+    p = torch.randn(4, S, generator=gen)
+    # The template's renumbering of P's keys, written in torch.
+    p_op = p.reshape(4, S // 32, 2, 2, 2, 2, 2).permute(0, 1, 2, 4, 5, 3, 6).reshape(4, S)
+    keys = torch.arange(S).reshape(1, S // 32, 2, 2, 2, 2, 2).permute(0, 1, 2, 4, 5, 3, 6).reshape(S)
+    assert torch.equal(p_op, p[:, keys]) and sorted(keys.tolist()) == list(range(S))
+    assert keys[:8].tolist() == [0, 1, 8, 9, 2, 3, 10, 11]  # lane 0 and 1's accumulator keys
+    for given in (v, key_major(v)):
+        out = key_major_copy(given, S, operand_order=True)
+        assert out.shape == v.shape and out.stride(2) == 1
+        assert torch.equal(out.view(torch.uint8), v[:, :, keys].view(torch.uint8))
+        vf = v.float()[0, 0]
+        assert torch.allclose(p_op @ out.float()[0, 0], p @ vf, rtol=1e-5, atol=1e-4)
