@@ -269,7 +269,9 @@ def _check_against_single(results, world, cases):
             torch.testing.assert_close(drel, ours_single["drel"], atol=2e-5, rtol=1e-4, msg=label)
 
 
-CASES = [(m, s) for m in MASKS for s in ("allgather", "ring")]
+# Every mask through the ring; the all-gather with causal and prefix-LM here, with documents at
+# four ranks below, and with every mask on two GPUs (test_two_gpus_nccl_match_reference).
+CASES = [(m, "ring") for m in MASKS] + [("causal", "allgather"), ("prefix_lm", "allgather")]
 
 
 def test_two_ranks_match_single_process(tmp_path):

@@ -16,7 +16,7 @@ from tests.flexcore.policies import policy_options
 
 DEVICE = "cpu"
 # 128-row mask blocks (the default), ragged lengths, GQA: the finer tables are 64x64.
-RAGGED = Shape("ragged128", B=2, Hq=4, Hkv=2, L=300, S=331, D=32, Dv=32, block=128)
+RAGGED = Shape("ragged128", B=2, Hq=2, Hkv=1, L=300, S=331, D=32, Dv=32, block=128)
 
 
 def _short_documents(lengths, device=DEVICE):
