@@ -484,7 +484,7 @@ def test_key_major_copy_kernel(shape, transposed):
 
 def test_operand_order_copy_matches_the_gluon_kernels_key_order():
     """The Gluon FP8 forward renumbers the keys of each 32-key group so that its P operand needs
-    no shuffles (forward_hopper.py.tmpl, _p_operand: a reshape to 2x2x2x2x2 and the permutation
+    no shuffles (forward_hopper.py.tmpl, _p_late: a reshape to 2x2x2x2x2 and the permutation
     (0, 1, 2, 4, 5, 3, 6)); the V copy it reads (key_major_copy with operand_order, here under the
     interpreter) holds the same keys at the same positions, so P·V is unchanged, from row-major and
     key-major V alike."""

@@ -299,8 +299,6 @@ def test_backward_long_rows(mask, long):
 
 # --- on an sm_90 GPU ---
 
-
-
 def _spy(monkeypatch) -> list:
     return shape_spy(monkeypatch, hopper, "forward")
 

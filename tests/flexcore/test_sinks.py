@@ -842,7 +842,6 @@ def test_compiled_inductor_gpu(sink_paths):
 
 # -- Hopper GPU: the Gluon forwards take the sinks in their epilogue --------------------------------
 
-
 # Dense: every block full (the dense Gluon kernel); causal with an empty row and a sliding window:
 # the masked Gluon kernel (forced by the policy, which otherwise keeps short rows on the template).
 _GLUON_MASKS = {
