@@ -31,6 +31,7 @@ def prepare_triton() -> None:
     if use_interpreter():
         os.environ["TRITON_INTERPRET"] = "1"
         _interpret_imported_triton_language()
+        _lighten_interpreter()
 
 
 def _interpret_imported_triton_language() -> None:
@@ -53,6 +54,73 @@ def _interpret_imported_triton_language() -> None:
         for attr, value in list(vars(module).items()):
             if isinstance(value, JITFunction):
                 setattr(module, attr, InterpretedFunction(value.fn))
+
+
+@functools.lru_cache(maxsize=None)
+def _lighten_interpreter() -> None:
+    """Drop two costs of Triton's interpreter that compiled kernels do not have; together about
+    half of an interpreted launch's time (docs/decisions.md#interpreter-speed).
+
+    - Its int32 overflow check of every integer add, sub and mul, which compiled kernels make only
+      when built with ``debug``: off, as on the GPU.
+    - The re-patching of triton.language on every call of a ``@triton.jit`` helper inside a
+      launch, where the launch has already patched the same modules: skipped.
+
+    ``FLEXLAB_INTERPRETER_AS_IS=1`` leaves the interpreter as Triton ships it (to debug a kernel
+    with its overflow checks), as are Triton versions whose interpreter is laid out otherwise.
+    """
+    if os.environ.get("FLEXLAB_INTERPRETER_AS_IS") == "1":
+        return
+    import dataclasses
+    import inspect
+    import threading
+
+    try:
+        from triton.runtime import interpreter
+        import triton.language as tl
+
+        builder, patch_lang, grid_call = (interpreter.interpreter_builder, interpreter._patch_lang,
+                                          interpreter.GridExecutor.__call__)
+        options = builder.options
+    except (ImportError, AttributeError):
+        return
+    if dataclasses.is_dataclass(options) and hasattr(options, "sanitize_overflow"):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+    state = threading.local()
+    langs_of: dict = {}
+
+    def langs(fn) -> frozenset:
+        found = langs_of.get(fn)
+        if found is None:
+            found = langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                             if inspect.ismodule(v) and v in (tl, tl.core))
+        return found
+
+    class _Kept:  # the scope of a skipped patch: nothing to restore
+        def restore(self):
+            pass
+
+    def patch_once(fn):
+        patched = getattr(state, "patched", None)
+        need = langs(fn)
+        if patched is not None and patched and need <= patched:
+            return _Kept()
+        scope = patch_lang(fn)
+        if patched is not None:
+            patched |= need
+        return scope
+
+    def launch(self, *args, **kwargs):
+        outer = getattr(state, "patched", None)
+        state.patched = set()  # filled by the launch's own patch, which always runs
+        try:
+            return grid_call(self, *args, **kwargs)
+        finally:
+            state.patched = outer
+
+    interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = launch
 
 
 def default_device() -> torch.device:

@@ -24,7 +24,7 @@ def test_tiny_preset_end_to_end(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(f"tiny preset: {elapsed:.0f} s")
     data = json.loads((out / "results.json").read_text())
-    assert data["complete"] and data["cases_done"] == data["cases_total"] == 18
+    assert data["complete"] and data["cases_done"] == data["cases_total"] == 14
     rows = data["rows"]
     cases = {r["case_id"] for r in rows}
     for case in cases:

@@ -164,10 +164,12 @@ def check_decode(shape: Shape, mod_name: str, dtype, seed: int, num_splits=None,
 
 
 def kernel_grads(q, k, v, score_mod, bm, grad_out, grad_lse, *, scale=None, opts=None, enable_gqa=False,
-                 captured=()):
+                 captured=(), forward_result=None):
     """(out, lse, row_stats, grads) from the forward (or decode) and backward kernels called directly;
     grads holds dq, dk, dv and the gradients of ``captured`` (the score_mod's tensors that require
-    grad, in the order the mod reads them); None without ``grad_out`` (no backward)."""
+    grad, in the order the mod reads them); None without ``grad_out`` (no backward).
+    ``forward_result``: an earlier call's (out, lse, row_stats, _), whose backward alone runs (two
+    backwards compared bit for bit must read the same forward, whose kernel choice may differ)."""
     from flexcore import attention
     from flexcore._runtime import prepare_triton
     from flexcore.kernels.backward import backward
@@ -187,7 +189,9 @@ def kernel_grads(q, k, v, score_mod, bm, grad_out, grad_lse, *, scale=None, opts
     score = lower_score_mod(score_mod, score_dtype, fast_math=q.dtype in (torch.float16, torch.bfloat16))
     mask = lower_mask_mod(bm.mask_mod)
     blocks = attention.kv_blocks(bm, B, Hq)
-    if attention._decodes(q, opts):
+    if forward_result is not None:
+        out, lse, row_stats = forward_result[:3]
+    elif attention._decodes(q, opts):
         out, lse = decode(q, k, v, score, mask, blocks, scale, opts)
         row_stats = row_stats_from_lse(lse)
     else:

@@ -501,3 +501,49 @@ def test_dense_run_and_table_paths_match_reference(monkeypatch, mod_name, paths)
     chosen = {"noop": (True, False), "softcap": (True, False), "stripes": (False, False)}
     expected = (False, False) if paths == "tables" else chosen.get(mod_name, (False, True))
     assert seen == [expected]
+
+
+def test_the_lightened_interpreter_gives_the_same_bits_as_triton_s_own(tmp_path):
+    """flexcore drops the interpreter's int32 overflow checks and its re-patching per helper call
+    (flexcore._runtime._lighten_interpreter): forward and gradients are bit for bit those of the
+    interpreter as Triton ships it (FLEXLAB_INTERPRETER_AS_IS=1, in a fresh process)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from triton.runtime import interpreter
+
+    script = (
+        "import os, sys, torch\n"
+        "from flexcore import create_block_mask, flex_attention\n"
+        "from triton.runtime import interpreter\n"
+        "g = torch.Generator().manual_seed(int(sys.argv[1]))\n"
+        "q, k, v = (torch.randn(1, 2, 100, 16, generator=g, requires_grad=True) for _ in range(3))\n"
+        "bm = create_block_mask(lambda b, h, i, j: (i >= j) & (i - j < 70), None, None, 100, 100,\n"
+        "                       BLOCK_SIZE=32)\n"
+        "out = flex_attention(q, k, v, score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j), block_mask=bm)\n"
+        "out.sum().backward()\n"
+        "print(interpreter.interpreter_builder.options.sanitize_overflow)\n"
+        "torch.save([out.detach(), q.grad, k.grad, v.grad], sys.argv[2])\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    seed = str(torch.randint(0, 2**31 - 1, ()).item())
+    runs = {}
+    for as_is in ("0", "1"):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(CUDA_VISIBLE_DEVICES="", FLEXLAB_INTERPRETER_AS_IS=as_is,
+                   PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""))
+        path = tmp_path / f"as_is{as_is}.pt"
+        run = subprocess.run([sys.executable, "-c", script, seed, str(path)], env=env, cwd=root,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        runs[as_is] = (run.stdout.split()[-1], torch.load(path))
+    assert runs["0"][0] == "False" and runs["1"][0] == "True"  # the overflow check: off, and as shipped
+    for name, a, b in zip(("out", "dq", "dk", "dv"), runs["0"][1], runs["1"][1]):
+        assert torch.equal(a, b), f"{name}: {(a - b).abs().max()}"
+    # This process runs the lightened interpreter too.
+    from flexcore._runtime import prepare_triton
+
+    prepare_triton()
+    assert interpreter.interpreter_builder.options.sanitize_overflow is False

@@ -319,11 +319,11 @@ def test_vjp_lowering_reads_no_handwritten_derivative():
 
 def test_gradcheck_float64():
     # Every entry of the Jacobian (test_float64 checks random directions at default tolerances):
-    # L=17 keeps the square kernel (not decode: 16 and under) over a full and a partial block,
-    # D=2 keeps the entries few; float64 end to end.
+    # L=17 keeps the square kernel (not decode: 16 and under) over a full and a partial block;
+    # D=2 (the scores' sum) and Dv=1 keep the entries few; float64 end to end.
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(1, 1, 17, 2, generator=gen, dtype=torch.float64).requires_grad_()
-               for _ in range(3))
+    q, k, v = (torch.randn(1, 1, 17, d, generator=gen, dtype=torch.float64).requires_grad_()
+               for d in (2, 2, 1))
     slope = torch.rand(1, generator=gen, dtype=torch.float64).requires_grad_()
 
     def causal(b, h, q_idx, kv_idx):
@@ -387,12 +387,13 @@ def _spy_p_from_lse(monkeypatch, bwd) -> list:
     return seen
 
 
-@pytest.mark.parametrize("p_from_lse", [True, False])
-@pytest.mark.parametrize("mod_name,dtype,L", [
-    ("causal", torch.bfloat16, 150), ("alibi", torch.bfloat16, 150), ("document", torch.float16, 150),
-    ("causal", torch.float32, 150),
-    # 8 queries: the decode kernel runs the forward and keeps only lse (row_stats_from_lse)
-    ("document", torch.bfloat16, 8), ("alibi", torch.bfloat16, 8)])
+# float32 takes (m, 1/l) whatever the policy: one case. 8 queries: the decode kernel runs the
+# forward and keeps only lse (row_stats_from_lse).
+@pytest.mark.parametrize("p_from_lse,mod_name,dtype,L", [
+    (True, "causal", torch.bfloat16, 150), (False, "causal", torch.bfloat16, 150),
+    (True, "alibi", torch.bfloat16, 150), (True, "document", torch.float16, 150),
+    (False, "causal", torch.float32, 150),
+    (True, "document", torch.bfloat16, 8), (False, "alibi", torch.bfloat16, 8)])
 def test_probabilities_from_lse2_or_row_stats(monkeypatch, p_from_lse, mod_name, dtype, L):
     """16-bit inputs recompute p = exp2(s - lse2) (lse2 from the preprocessing kernel) unless
     the policy's backward.p_from_lse is off; float32 always uses (m, 1/l). Both against the float64 gradients, at ragged
@@ -406,8 +407,10 @@ def test_probabilities_from_lse2_or_row_stats(monkeypatch, p_from_lse, mod_name,
     assert seen == [p_from_lse and dtype != torch.float32]
 
 
-@pytest.mark.parametrize("mod_name", ["noop", "causal", "prefix_lm", "document", "stripes"])
-@pytest.mark.parametrize("paths", ["chosen", "tables"])
+# The chosen paths over masks whose runs differ (none, all, some rows; stripes); the tables over two.
+@pytest.mark.parametrize("paths,mod_name", [
+    ("chosen", "noop"), ("chosen", "causal"), ("chosen", "prefix_lm"), ("chosen", "stripes"),
+    ("tables", "causal"), ("tables", "document")])
 def test_run_and_table_paths(monkeypatch, mod_name, paths):
     """Full blocks stepped over as one run per row (dK/dV over the transposed tables, dQ over the
     key-block tables) or read from the tables, against the float64 gradients, at ragged lengths

@@ -733,11 +733,13 @@ def test_backward_is_the_templates_bit_for_bit(monkeypatch, mask):
     bm = None if mods[mask] is None else create_block_mask(mods[mask], None, None, 2048, 2048, device="cuda")
     calls = _spy_backward(monkeypatch)
     # The template over the mask's own tables (not the finer ones its rule may take for the window).
-    # The window's rows are short at 2k: the Gluon backward is forced.
+    # The window's rows are short at 2k: the Gluon backward is forced. Both read one forward: the
+    # forward's kernel is a timed choice, and another one changes the output's last bits.
     opts = policy_options(forward={"refine": "off"}, gluon={"backward": "on"})
-    gluon = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm, kernel_options=opts), (q, k, v), go)
+    fwd = kernel_grads(q, k, v, None, bm, None, None, opts=opts)
+    *_, gluon = kernel_grads(q, k, v, None, bm, go, None, opts=opts, forward_result=fwd)
     opts = policy_options(forward={"refine": "off"}, gluon={"backward": "off"})
-    template = torch.autograd.grad(flex_attention(q, k, v, block_mask=bm, kernel_options=opts), (q, k, v), go)
+    *_, template = kernel_grads(q, k, v, None, bm, go, None, opts=opts, forward_result=fwd)
     assert calls == [True]
     for name, a, b in zip(("dq", "dk", "dv"), gluon, template):
         assert torch.equal(a, b), f"{mask} {name}: max difference {(a.float() - b.float()).abs().max().item()}"
@@ -804,9 +806,10 @@ def test_backward_lse_gradient_is_the_templates_bit_for_bit(monkeypatch, mask):
                                                        device="cuda")
     calls = _spy_backward(monkeypatch)
     opts = policy_options(forward={"refine": "off"}, gluon={"backward": "on"})
-    *_, gluon = kernel_grads(q, k, v, None, bm, grad_out, grad_lse, opts=opts)
+    fwd = kernel_grads(q, k, v, None, bm, None, None, opts=opts)
+    *_, gluon = kernel_grads(q, k, v, None, bm, grad_out, grad_lse, opts=opts, forward_result=fwd)
     opts = policy_options(forward={"refine": "off"}, gluon={"backward": "off"})
-    *_, template = kernel_grads(q, k, v, None, bm, grad_out, grad_lse, opts=opts)
+    *_, template = kernel_grads(q, k, v, None, bm, grad_out, grad_lse, opts=opts, forward_result=fwd)
     assert calls == [True]
     for name, a, b in zip(("dq", "dk", "dv"), gluon, template):
         assert torch.equal(a, b), f"{mask} {name}: max difference {(a.float() - b.float()).abs().max().item()}"
