@@ -102,9 +102,9 @@ def _lighten_interpreter() -> None:
             pass
 
     def patch_once(fn):
-        patched = getattr(state, "patched", None)
+        patched = getattr(state, "patched", None)  # None outside a launch; empty before its own patch
         need = langs(fn)
-        if patched is not None and patched and need <= patched:
+        if patched and need <= patched:
             return _Kept()
         scope = patch_lang(fn)
         if patched is not None:

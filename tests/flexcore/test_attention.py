@@ -318,14 +318,27 @@ def test_tensor_descriptors_need_aligned_rows():
     assert not fwd.use_tma((k, rows), True, rule="on")
 
 
-def test_triton_imported_before_flexcore_on_a_machine_without_gpu():
-    """A script that imports triton first (triton.language's helpers then exist as compiled-kernel
-    functions) still gets interpreted kernels on a machine without a GPU, forward and backward."""
+def _run_without_gpu(script: str, *args: str, **env) -> str:
+    """Run ``script`` in a fresh Python with no GPU visible and ``env`` set; its stdout (the test
+    fails with its stderr where it exits non-zero)."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
+    root = Path(__file__).resolve().parents[2]
+    full_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    full_env.update(env, CUDA_VISIBLE_DEVICES="",
+                    PYTHONPATH=str(root) + os.pathsep + full_env.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-c", script, *args], env=full_env, cwd=root,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
+def test_triton_imported_before_flexcore_on_a_machine_without_gpu():
+    """A script that imports triton first (triton.language's helpers then exist as compiled-kernel
+    functions) still gets interpreted kernels on a machine without a GPU, forward and backward."""
     script = (
         "import triton, triton.language, triton.testing\n"
         "import torch\n"
@@ -341,13 +354,7 @@ def test_triton_imported_before_flexcore_on_a_machine_without_gpu():
         "assert torch.isfinite(q.grad).all()\n"
         "print('ok')\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+    assert _run_without_gpu(script).strip().endswith("ok")
 
 
 def test_longest_first_orders_within_groups():
@@ -507,11 +514,6 @@ def test_the_lightened_interpreter_gives_the_same_bits_as_triton_s_own(tmp_path)
     """flexcore drops the interpreter's int32 overflow checks and its re-patching per helper call
     (flexcore._runtime._lighten_interpreter): forward and gradients are bit for bit those of the
     interpreter as Triton ships it (FLEXLAB_INTERPRETER_AS_IS=1, in a fresh process)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from triton.runtime import interpreter
 
     script = (
@@ -527,18 +529,12 @@ def test_the_lightened_interpreter_gives_the_same_bits_as_triton_s_own(tmp_path)
         "print(interpreter.interpreter_builder.options.sanitize_overflow)\n"
         "torch.save([out.detach(), q.grad, k.grad, v.grad], sys.argv[2])\n"
     )
-    root = Path(__file__).resolve().parents[2]
     seed = str(torch.randint(0, 2**31 - 1, ()).item())
     runs = {}
     for as_is in ("0", "1"):
-        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(CUDA_VISIBLE_DEVICES="", FLEXLAB_INTERPRETER_AS_IS=as_is,
-                   PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""))
         path = tmp_path / f"as_is{as_is}.pt"
-        run = subprocess.run([sys.executable, "-c", script, seed, str(path)], env=env, cwd=root,
-                             capture_output=True, text=True, timeout=600)
-        assert run.returncode == 0, run.stderr[-2000:]
-        runs[as_is] = (run.stdout.split()[-1], torch.load(path))
+        stdout = _run_without_gpu(script, seed, str(path), FLEXLAB_INTERPRETER_AS_IS=as_is)
+        runs[as_is] = (stdout.split()[-1], torch.load(path))
     assert runs["0"][0] == "False" and runs["1"][0] == "True"  # the overflow check: off, and as shipped
     for name, a, b in zip(("out", "dq", "dk", "dv"), runs["0"][1], runs["1"][1]):
         assert torch.equal(a, b), f"{name}: {(a - b).abs().max()}"
