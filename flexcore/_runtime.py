@@ -58,8 +58,8 @@ def _interpret_imported_triton_language() -> None:
 
 @functools.lru_cache(maxsize=None)
 def _lighten_interpreter() -> None:
-    """Drop two costs of Triton's interpreter that compiled kernels do not have; together about
-    half of an interpreted launch's time (docs/decisions.md#interpreter-speed).
+    """Drop two costs of Triton's interpreter that compiled kernels do not have
+    (docs/decisions.md#interpreter-speed has their measured share).
 
     - Its int32 overflow check of every integer add, sub and mul, which compiled kernels make only
       when built with ``debug``: off, as on the GPU.
