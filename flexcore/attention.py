@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from flexcore import ops
-from flexcore._runtime import prepare_triton, use_interpreter
+from flexcore._runtime import capturing, prepare_triton, use_interpreter
 from flexcore._types import ScoreMod
 from flexcore._validate import check_block_mask, check_qkv
 from flexcore.errors import InputError
@@ -380,7 +380,7 @@ class _Call:
     holds the mask weakly, and leaves the cache with it."""
 
     __slots__ = ("mask_ref", "scale", "opts", "want_max", "B", "Hq", "score_dtype", "fast_math",
-                 "prefetched")
+                 "prefetched", "checked", "blocks")
 
     def __init__(self, query, mask_ref, scale, opts, want_max):
         self.mask_ref = mask_ref
@@ -392,6 +392,10 @@ class _Call:
         # 16-bit and FP8 inputs round scores far more coarsely than approximate transcendentals err.
         self.fast_math = query.dtype in (torch.float16, torch.bfloat16, FP8_DTYPE)
         self.prefetched = False
+        # (score, mask) LoweredMods whose indices passed check_indices at this call's shapes, where
+        # that verdict cannot change (no run-time checks); the mask's kv_blocks views.
+        self.checked = None
+        self.blocks = None
 
 
 # Prepared calls by (input signature, mask state, scale, options): see _prepared.
@@ -466,8 +470,14 @@ def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     # global that a mod reads may have been rebound since.
     score_lowered = _lowering.lower_score_mod(score_mod, call.score_dtype, fast_math=call.fast_math)
     mask_lowered = _lowering.lower_mask_mod(block_mask.mask_mod)
-    check_indices(score_lowered, mask_lowered, call.B, call.Hq, query.shape[2], key.shape[2], call.opts)
-    blocks = kv_blocks(block_mask, call.B, call.Hq)
+    checked = call.checked
+    if checked is None or checked[0] is not score_lowered or checked[1] is not mask_lowered:
+        check_indices(score_lowered, mask_lowered, call.B, call.Hq, query.shape[2], key.shape[2], call.opts)
+        if not (use_interpreter() or call.opts.check_indices or capturing()):
+            call.checked = (score_lowered, mask_lowered)
+    blocks = call.blocks
+    if blocks is None:  # the call is kept per mask state (id and version): so are its views
+        blocks = call.blocks = kv_blocks(block_mask, call.B, call.Hq)
     if sinks is not None and not sinks_in_kernel(query, call.opts, descales, sinks):
         sinks = None
     applied = sinks is not None

@@ -401,11 +401,12 @@ _DATACLASS = "\x00dataclass"
 def _plain(kernel_options):
     """``kernel_options`` in a form Dynamo passes to :func:`register_call` as a constant: a dict
     as its items, with a dataclass value (a DispatchPolicy) as (tag, its class, its fields'
-    items), which Dynamo cannot rebuild itself; :func:`_rebuilt` undoes it. None and a
-    KernelOptions pass unchanged."""
+    items), which Dynamo cannot rebuild itself; :func:`_rebuilt` undoes it. A KernelOptions
+    takes the dataclass form too (torch 2.11's Dynamo cannot pass a frozen dataclass instance as
+    a constant); None passes unchanged."""
     if isinstance(kernel_options, dict):
         return tuple((k, _plain_value(v)) for k, v in kernel_options.items())
-    return kernel_options
+    return _plain_value(kernel_options)
 
 
 def _plain_value(value):

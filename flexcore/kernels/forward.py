@@ -686,17 +686,16 @@ def forward_inline(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors | 
     Dv = v.shape[3]
     dense = blocks is None
     if dense:
-        zero = torch.zeros((1, 1, 1), dtype=torch.int32, device=q.device)
+        zero = torch.empty((1, 1, 1), dtype=torch.int32, device=q.device)  # never read (DENSE)
         blocks = BlockTensors(zero, zero.unsqueeze(-1), None, None, _DENSE_SPARSE_BLOCK)
-    module = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered)
-    kernel = module.flex_forward_kernel
     out, lse, row_stats = _outputs(q, Dv, False)
-    # Inductor passes each argument once: the unread descale pointers get their own stand-in.
-    stand_in = torch.empty((1,), dtype=lse.dtype, device=q.device)
     caps = (*score_lowered.kernel_args(), *mask_lowered.kernel_args())
+    # The unread descale and sinks pointers: a table the kernel only reads (a tensor the kernel
+    # writes would be a second, aliased output to Inductor), not an allocation per call.
     args, _, constexprs = _template_args(q, k, v, out, lse, row_stats, blocks, None, 0, score_lowered,
-                                         scale, opts, caps, None, None, stand_in=stand_in, dense=dense,
-                                         tma=False, runs=False)
+                                         scale, opts, caps, None, None, stand_in=blocks.num_blocks,
+                                         dense=dense, tma=False, runs=False)
+    kernel = load_kernel_module("forward.py.tmpl", score_lowered, mask_lowered).flex_forward_kernel
     tiles = (_interpreter_tiles(blocks.sparse_block, opts) if use_interpreter() else
              _fixed_tiles(_candidates(max(pad_head_dim(D), pad_head_dim(Dv)), q.element_size(), dense,
                                       blocks.sparse_block)[0], blocks.sparse_block, opts))

@@ -286,6 +286,30 @@ def test_checks_run_where_the_captured_tensors_live():
         flex_attention_reference(q, k, v, score_mod=add_bias)
 
 
+@pytest.mark.gpu
+def test_repeated_calls_check_each_new_mod():
+    # A repeated eager call keeps the verdict of the mods it checked (flexcore.attention._Call):
+    # another mod, or the same one reading a shorter tensor, is checked again at the same shapes.
+    from flexcore import flex_attention
+
+    q, k, v = (torch.randn(1, 2, 96, 16, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    bias = torch.randn(96, device="cuda")
+
+    def in_range(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx]
+
+    def past_the_end(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx + 1]
+
+    for _ in range(2):
+        flex_attention(q, k, v, score_mod=in_range)
+    with pytest.raises(ModIndexError, match="`bias`"):
+        flex_attention(q, k, v, score_mod=past_the_end)
+    bias = torch.randn(95, device="cuda")  # the closure's tensor rebound: a new lowering
+    with pytest.raises(ModIndexError, match="`bias`"):
+        flex_attention(q, k, v, score_mod=in_range)
+
+
 def test_costly_checks_wait_for_run_time_checks(monkeypatch, evaluations):
     monkeypatch.setattr(indexcheck, "STATIC_BUDGET", 50)
     table = torch.randn(9)
