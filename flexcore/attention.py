@@ -472,8 +472,7 @@ def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     mask_lowered = _lowering.lower_mask_mod(block_mask.mask_mod)
     checked = call.checked
     if checked is None or checked[0] is not score_lowered or checked[1] is not mask_lowered:
-        check_indices(score_lowered, mask_lowered, call.B, call.Hq, query.shape[2], key.shape[2], call.opts)
-        if not (use_interpreter() or call.opts.check_indices or capturing()):
+        if check_indices(score_lowered, mask_lowered, call.B, call.Hq, query.shape[2], key.shape[2], call.opts):
             call.checked = (score_lowered, mask_lowered)
     blocks = call.blocks
     if blocks is None:  # the call is kept per mask state (id and version): so are its views
@@ -521,14 +520,18 @@ def _check_forward_only(query, key, value, descales, score_lowered) -> None:
                          f"bfloat16 inputs")
 
 
-def check_indices(score_lowered, mask_lowered, B: int, Hq: int, L: int, S: int, opts) -> None:
+def check_indices(score_lowered, mask_lowered, B: int, Hq: int, L: int, S: int, opts) -> bool:
     """Refuse mods that index a captured tensor out of range on this call's grid
     (flexcore.lowering.check_indices): proven or evaluated once per mod and shape; indices read
     from captured values are checked at every call on the interpreter and under
-    ``KernelOptions(check_indices=True)`` (one min/max per such tensor, a GPU sync)."""
+    ``KernelOptions(check_indices=True)`` (one min/max per such tensor, a GPU sync).
+
+    Returns whether the verdict holds for every later call of these mods at this grid: no
+    run-time checks, and not inside a CUDA graph capture (which defers evaluations)."""
     runtime = use_interpreter() or opts.check_indices
     _lowering.check_indices(score_lowered, "score", B, Hq, L, S, runtime=runtime)
     _lowering.check_indices(mask_lowered, "mask", B, Hq, L, S, runtime=runtime)
+    return not (runtime or capturing())
 
 
 _warned_return_lse = False
