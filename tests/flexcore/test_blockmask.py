@@ -266,11 +266,19 @@ def test_default_device_and_int32_indices():
 # Bounded memory
 # ------------------------------------------------------------------------------------------------
 
-def recording_mod(mod, sizes):
-    def recorded(b, h, q_idx, kv_idx):
-        sizes.append(b.numel() * h.numel() * q_idx.numel() * kv_idx.numel())
-        return mod(b, h, q_idx, kv_idx)
-    return recorded
+def recorded_tiles(monkeypatch) -> list[int]:
+    """The sizes (B·H·Lq·Lk) of the tiles create_block_mask evaluates its mod on, from now on.
+    Recorded beside the mod, not inside it: a mod that appends to a captured list is a new mod at
+    every call, and would be traced again per tile."""
+    sizes = []
+    evaluate = bmod._evaluate_mask
+
+    def recorded(fn, kind, b, h, q, kv, device):
+        sizes.append((b[1] - b[0]) * (h[1] - h[0]) * (q[1] - q[0]) * (kv[1] - kv[0]))
+        return evaluate(fn, kind, b, h, q, kv, device)
+
+    monkeypatch.setattr(bmod, "_evaluate_mask", recorded)
+    return sizes
 
 
 # The small budgets split every block into thousands of chunks: few batches and heads keep them short.
@@ -283,19 +291,18 @@ def test_chunked_classification_is_bounded_and_exact(monkeypatch, budget, block_
     reference = create_block_mask(mod, B, H, Q, KV, device="cpu", BLOCK_SIZE=block_size)
     monkeypatch.setattr(bmod, "_CHUNK_ELEMENTS", budget)
     monkeypatch.setattr(bmod, "_TABLE_CHUNK_ELEMENTS", 50)
-    sizes = []
-    chunked = create_block_mask(recording_mod(mod, sizes), B, H, Q, KV, device="cpu",
-                                BLOCK_SIZE=block_size)
+    sizes = recorded_tiles(monkeypatch)
+    chunked = create_block_mask(mod, B, H, Q, KV, device="cpu", BLOCK_SIZE=block_size)
     assert len(sizes) > 1 and max(sizes) <= budget
     for table in TABLES:
         assert torch.equal(getattr(chunked, table), getattr(reference, table)), table
 
 
-def test_long_sequence_is_evaluated_in_bounded_tiles():
+def test_long_sequence_is_evaluated_in_bounded_tiles(monkeypatch):
     # 16384^2 = 268M positions, 4x the default budget: must be split, and the result is exact.
     S = 16384
-    sizes = []
-    bm = create_block_mask(recording_mod(causal, sizes), None, None, S, S, device="cpu")
+    sizes = recorded_tiles(monkeypatch)
+    bm = create_block_mask(causal, None, None, S, S, device="cpu")
     assert len(sizes) >= 4 and max(sizes) <= bmod._CHUNK_ELEMENTS
     QB = S // 128
     assert bm.counts() == BlockCounts(full=QB * (QB - 1) // 2, partial=QB,
