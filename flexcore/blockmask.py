@@ -1273,6 +1273,16 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
     return mask
 
 
+# Under torch.compile, mask building runs eagerly between graphs: it classifies blocks with
+# host-side work (Python tiles, a Triton launch, cached tables) that Dynamo cannot trace. With
+# fullgraph=True, Dynamo's error carries this reason.
+create_block_mask = torch.compiler.disable(
+    create_block_mask,
+    reason="flexcore.create_block_mask runs eagerly: build the BlockMask outside the compiled "
+           "function (once per batch of a training loop), or compile without fullgraph=True "
+           "(one graph break here)")
+
+
 def _check_mod_indices(mod, kind: str, B: int, H: int, Q_LEN: int, KV_LEN: int) -> None:
     """Refuse a mod that indexes a captured tensor out of range on this grid, before any kernel or
     eager evaluation reads out of bounds (on a GPU that would be a device-side fault)."""

@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import hashlib
 import math
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional
@@ -410,7 +411,14 @@ def _plain(kernel_options):
 
 
 def _plain_value(value):
-    if isinstance(value, (bool, int, float, str, tuple, type(None))):
+    # Options are constants of a call (tiles, stages): an int that Dynamo made symbolic (one that
+    # changed between compiles; it passes isinstance(int) while traced) is specialised to its
+    # value by operator.index, where int() would keep it symbolic.
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool):
+        return operator.index(value)
+    if isinstance(value, tuple):
+        return tuple(_plain_value(v) for v in value)
+    if isinstance(value, (bool, int, float, str, type(None))):
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return (_DATACLASS, type(value),

@@ -267,6 +267,47 @@ def test_inference_and_kernel_options():
     torch.testing.assert_close(out, fn(q, k, v), rtol=0, atol=0)
 
 
+def test_kernel_options_from_arguments_that_change():
+    """A compiled function whose kernel options come from its arguments: on the second value
+    Dynamo makes the argument a symbolic int, which the call specialises on (one graph per value)
+    instead of failing to pass it as a constant. Each call runs with its own tiles."""
+    torch._dynamo.reset()
+    q, k, v = qkv(64, seed=11)
+    bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+
+    def fn(q, k, v, block_m):
+        return flex_attention(q, k, v, block_mask=bm, kernel_options={"BLOCK_M": block_m, "BLOCK_N": 16})
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for block_m in (16, 32, 16):
+        torch.testing.assert_close(compiled(q, k, v, block_m), fn(q, k, v, block_m), rtol=0, atol=0,
+                                   msg=f"BLOCK_M={block_m}")
+        assert any(spec.opts.BLOCK_M == block_m and spec.opts.BLOCK_N == 16
+                   for spec in ops._calls.values()), block_m
+
+
+def test_a_mask_built_inside_a_compiled_function():
+    """create_block_mask inside the compiled function runs eagerly between graphs (a mask that
+    depends on an argument gives each call its own mask); with fullgraph=True the error says so
+    and what to do, instead of failing inside its host-side work."""
+    torch._dynamo.reset()
+    q, k, v = qkv(64, seed=12)
+
+    def fn(q, k, v, shift):
+        def shifted(b, h, q_idx, kv_idx):
+            return q_idx + shift >= kv_idx
+        bm = create_block_mask(shifted, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+        return flex_attention(q, k, v, block_mask=bm)
+
+    compiled = torch.compile(fn, backend="aot_eager")
+    for shift in (0, 8):
+        torch.testing.assert_close(compiled(q, k, v, shift), fn(q, k, v, shift), rtol=0, atol=0,
+                                   msg=f"shift={shift}")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="create_block_mask runs eagerly: build the BlockMask outside"):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, 0)
+
+
 @pytest.mark.parametrize("form", ["options", "dict"])
 def test_kernel_options_holding_a_policy(form):
     """kernel_options holding a DispatchPolicy (nested frozen dataclasses), as a KernelOptions or
