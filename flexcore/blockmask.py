@@ -1273,14 +1273,18 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
     return mask
 
 
-# Under torch.compile, mask building runs eagerly between graphs: it classifies blocks with
-# host-side work (Python tiles, a Triton launch, cached tables) that Dynamo cannot trace. With
-# fullgraph=True, Dynamo's error carries this reason.
-create_block_mask = torch.compiler.disable(
-    create_block_mask,
-    reason="flexcore.create_block_mask runs eagerly: build the BlockMask outside the compiled "
-           "function (once per batch of a training loop), or compile without fullgraph=True "
-           "(one graph break here)")
+def eager_only(fn):
+    """``fn`` run eagerly between graphs under torch.compile: mask building classifies blocks with
+    host-side work (Python tiles, a Triton launch, cached tables) that Dynamo cannot trace. With
+    fullgraph=True, Dynamo's error carries the reason: build the mask outside."""
+    name = f"flexcore.{fn.__name__}"
+    return torch.compiler.disable(
+        fn, reason=f"{name} runs eagerly: build the mask outside the compiled function (once per "
+                   f"batch of a training loop), or compile without fullgraph=True (one graph break "
+                   f"here)")
+
+
+create_block_mask = eager_only(create_block_mask)
 
 
 def _check_mod_indices(mod, kind: str, B: int, H: int, Q_LEN: int, KV_LEN: int) -> None:
@@ -1336,6 +1340,9 @@ def create_mask(mod_fn: MaskMod | ScoreMod, B: int | None, H: int | None, Q_LEN:
             out[:, :, rows] = _evaluate_mask(mod_fn, kind, (0, B), (0, H), (rows.start, rows.stop),
                                              (0, KV_LEN), device)
     return out
+
+
+create_mask = eager_only(create_mask)
 
 
 # ----------------------------------------------------------------------------------------------

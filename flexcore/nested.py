@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flexcore import blockmask as _blockmask
 from flexcore._types import MaskMod, ScoreMod
 from flexcore.errors import InputError
 
@@ -158,6 +159,9 @@ def create_nested_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, q_
     # Read by nested_flex_attention to refuse inputs of another ragged structure.
     mask._nested_offsets = (q_offsets, kv_offsets)
     return mask
+
+
+create_nested_block_mask = _blockmask.eager_only(create_nested_block_mask)
 
 
 def _document_mask(q_offsets, q_total, kv_offsets, kv_total, device):

@@ -304,8 +304,13 @@ def test_a_mask_built_inside_a_compiled_function():
         torch.testing.assert_close(compiled(q, k, v, shift), fn(q, k, v, shift), rtol=0, atol=0,
                                    msg=f"shift={shift}")
     torch._dynamo.reset()
-    with pytest.raises(Exception, match="create_block_mask runs eagerly: build the BlockMask outside"):
+    with pytest.raises(Exception, match="create_block_mask runs eagerly: build the mask outside"):
         torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k, v, 0)
+    from flexcore import create_mask
+
+    with pytest.raises(Exception, match="create_mask runs eagerly"):
+        torch.compile(lambda q: q * create_mask(causal, None, None, 64, 64, device="cpu")[0, 0, :, :16],
+                      fullgraph=True, backend="aot_eager")(q[0, 0])
 
 
 @pytest.mark.parametrize("form", ["options", "dict"])
