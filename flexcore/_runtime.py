@@ -135,6 +135,8 @@ def _memoize_types(interpreter, tl) -> None:
     core = tl.core
     np_dtype, block_init = interpreter._get_np_dtype, core.block_type.__init__
     tensor_init_before = core.tensor.__init__
+    if getattr(np_dtype, "__wrapped__", None) is not None:  # done
+        return
     dtypes: dict = {}
     blocks: dict = {}
 
@@ -174,6 +176,7 @@ def _memoize_types(interpreter, tl) -> None:
     def _sizes(type):
         return tuple(core.constexpr(n) for n in type.shape), core.constexpr(math.prod(type.shape))
 
+    get_np_dtype.__wrapped__ = np_dtype
     interpreter._get_np_dtype = get_np_dtype
     # The replacements set the fields triton's own constructors set (checked here on one value,
     # so that a triton whose constructors set others keeps them).

@@ -385,7 +385,7 @@ def register_call(score, mask, dtype: torch.dtype, device_type: str, kernel_opti
                          f"{device_type}. Move the inputs with .cuda(), or use flexcore.reference")
     kernel_options = _rebuilt(kernel_options)
     if isinstance(kernel_options, tuple):  # a dict's items
-        kernel_options = dict(kernel_options)
+        kernel_options = {k: _rebuilt(v) for k, v in kernel_options}
     opts = KernelOptions.from_any(kernel_options)
     score_grads = () if score is None else tuple(i for i, (_, _, grad) in enumerate(score[1]) if grad)
     text = repr((_describe(score), _describe(mask), str(dtype), opts, want_max))
@@ -418,7 +418,7 @@ def _plain_value(value):
         return operator.index(value)
     if isinstance(value, tuple):
         return tuple(_plain_value(v) for v in value)
-    if isinstance(value, (bool, float, str, type(None))):
+    if isinstance(value, (bool, int, float, str, type(None))):
         return value
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return (_DATACLASS, type(value),
@@ -429,8 +429,6 @@ def _plain_value(value):
 def _rebuilt(value):
     if isinstance(value, tuple) and len(value) == 3 and value[0] == _DATACLASS:
         return value[1](**{name: _rebuilt(v) for name, v in value[2]})
-    if isinstance(value, tuple):  # _plain_value recurses into tuples
-        return tuple(_rebuilt(v) for v in value)
     return value
 
 
