@@ -24,6 +24,7 @@ import tempfile
 import time
 import traceback
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Union
@@ -36,6 +37,7 @@ from bench.context import CaseContext, Slice, make_context
 from bench.grid import Case, Grid, case_from_dict
 from bench.lock import FolderBusyError, FolderLock
 from bench.timing import GraphCaptureError, peak_memory, pooled, time_call, time_first_call
+from flexcore.errors import KernelFallbackWarning
 from variants.core import Mods
 
 SCHEMA_VERSION = "flexlab-bench/1"
@@ -368,7 +370,14 @@ class CaseRunner:
             return
         step = self._step(prepared)
         try:
-            compile_s = time_first_call(lambda: step(0), self.device)
+            # A kernel that falls back on its first call (a Gluon kernel that failed to build) says
+            # so in the row's note: its times are the slower kernel's.
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", KernelFallbackWarning)
+                compile_s = time_first_call(lambda: step(0), self.device)
+            for w in caught:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            fallbacks = [str(w.message) for w in caught if issubclass(w.category, KernelFallbackWarning)]
         except (prov.Unsupported, NotImplementedError) as exc:
             what = "backward" if c.pass_ == "fwd_bwd" and self._forward_works(prepared) else "call"
             self.row(name, "status", None, status="unsupported", note=f"{what}: {_error_text(exc)}")
@@ -377,6 +386,8 @@ class CaseRunner:
             self._error(name, "first call", exc)
             return
         note = prepared.note  # after the first call, which may have changed how the case runs
+        if fallbacks:
+            note = "; ".join(filter(None, [note, *fallbacks]))
         self.row(name, "setup_s", prov_setup, "s", note=note)
         self.row(name, "compile_s", compile_s, "s", note=note)
         memory = []

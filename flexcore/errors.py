@@ -75,3 +75,9 @@ class ModReturnError(ModError):
 
 class InputError(FlexError, ValueError):
     """An argument to a public function has the wrong shape, dtype or device."""
+
+
+class KernelFallbackWarning(UserWarning):
+    """A faster kernel failed to build or launch for a call, and a slower one serves it (and the
+    calls like it in this process). Correct results, lost speed: the message names the kernel and
+    the error. ``warnings.simplefilter("error", KernelFallbackWarning)`` turns it into an error."""

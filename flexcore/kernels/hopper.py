@@ -46,13 +46,14 @@ from __future__ import annotations
 import functools
 import re
 import types
+import warnings
 from typing import NamedTuple
 
 import torch
 
 from flexcore._runtime import capturing, use_interpreter
 from flexcore.blockmask import block_map_of
-from flexcore.errors import InputError
+from flexcore.errors import InputError, KernelFallbackWarning
 from flexcore.fp8 import FP8_DTYPE, OUTPUT_DTYPE
 
 # Which kernel serves a call is decided by the policy's ``gluon`` family (flexcore.kernels.policy):
@@ -231,21 +232,50 @@ def applies_masked(q, k, v, score_lowered, blocks, dense: bool, scale: float, op
     return ok
 
 
-_unsupported: set = set()  # kernels (by key) whose first launch failed: the template serves them
+# Kernels (by key) whose first launch failed, with the reason: the Triton template serves them.
+_unsupported: dict = {}
 _compiled: set = set()
 
 
-def _launch_once(key, launch) -> bool:
+def fallbacks() -> dict:
+    """The Gluon kernels that failed to build or launch in this process, each key with its error
+    text: the Triton template serves those calls (each also gave one KernelFallbackWarning)."""
+    return dict(_unsupported)
+
+
+def _not_a_build_failure(error: BaseException) -> bool:
+    # Out of memory, or the device in a failed state: the template would fail alike, and taking
+    # it for every later call would hide the error.
+    accelerator = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, torch.cuda.OutOfMemoryError) or (bool(accelerator)
+                                                               and isinstance(error, accelerator))
+
+
+def _fall_back(key, what: str, error: BaseException) -> None:
+    """Remember that ``key`` failed and say so once: which kernel, the error, and what serves the
+    call instead (the results stay right; the speed is the template's)."""
+    first_line = (str(error).strip().splitlines() or [""])[0][:300]
+    reason = f"{type(error).__name__}: {first_line}"
+    _unsupported[key] = reason
+    warnings.warn(f"flexcore: the Gluon {what} failed to build or launch ({reason}); the Triton template "
+                  f"serves this call and the calls like it in this process (same results, the "
+                  f"template's speed)", KernelFallbackWarning, stacklevel=2)
+
+
+def _launch_once(key, launch, what: str = "kernel") -> bool:
     """Run ``launch``; on the first launch of ``key`` a failure (a Gluon compile error: an
-    experimental API that another triton may change, a mod Gluon does not take) is remembered and
-    reported as False, so that the caller and later calls take the template."""
+    experimental API that another triton may change, a mod Gluon does not take) is remembered,
+    warned about (KernelFallbackWarning) and reported as False, so that the caller and later
+    calls take the template. Out-of-memory and device errors are raised, not remembered."""
     if key in _compiled:
         launch()
         return True
     try:
         launch()
-    except Exception:  # noqa: BLE001
-        _unsupported.add(key)
+    except Exception as error:  # noqa: BLE001
+        if _not_a_build_failure(error):
+            raise
+        _fall_back(key, what, error)
         return False
     _compiled.add(key)
     return True
@@ -256,11 +286,21 @@ def _gluon_source(src: str) -> str:
     return re.sub(r"\btl\.", "gl.", src.replace("@triton.jit", "@gluon.jit"))
 
 
+# Calls of flexcore.lowering.triton_helpers (floor division, remainder, ...): triton.jit functions,
+# which a Gluon kernel cannot call, so such a mask_mod's kernels are the template's.
+_LOWERING_HELPER = re.compile(r"\b(fl_\w+)\s*\(")
+
+
 def _mask_module(template: str, mask_lowered):
     """The module of a Gluon template filled with this mask_mod, or None where it does not build."""
     from flexcore.kernels import codegen
     key = (template, mask_lowered.source)
     if key in _unsupported:
+        return None
+    helper = _LOWERING_HELPER.search(mask_lowered.source)
+    if helper is not None:  # a known limit, not a failure: no warning
+        _unsupported[key] = (f"the mask_mod calls {helper.group(1)} (a Triton helper of the lowering), "
+                             f"which Gluon kernels cannot call")
         return None
 
     def build():
@@ -270,8 +310,8 @@ def _mask_module(template: str, mask_lowered):
 
     try:
         return codegen.cached_module(key, build, template.split(".")[0])
-    except Exception:  # the mod's source does not import as Gluon: the template serves it
-        _unsupported.add(key)
+    except Exception as error:  # the mod's source does not import as Gluon: the template serves it
+        _fall_back(key, f"kernel module {template.split('.')[0]} (for this mod)", error)
         return None
 
 
@@ -448,6 +488,8 @@ def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, sc
     tiles = (FP8_TILES if descales is not None else DENSE_TILES if dense else MASKED_TILES)[D]
     rows = tiles.num_wg * (BLOCK_M // 2)
     union = not dense and tiles.num_wg == 3  # programs over two mask blocks: union_tables
+    if union and descales is not None:  # it gave wrong results (docs/decisions.md#fp8-forward)
+        raise NotImplementedError("the FP8 Gluon forward over union lists (three warpgroups) is not supported")
     # lse stands in for the pointers a call does not read (sinks without HAS_SINKS, descales
     # without FP8).
     stand_in = descs[4]
@@ -460,7 +502,7 @@ def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, sc
                       num_warps=4, maxnreg=tiles.max_regs)
     launch = functools.partial(run, module.flex_hopper_fwd, (-(-L // rows), B * Hq), args, constexprs,
                                LaunchPolicy() if policy is None else policy)
-    return result if _launch_once(key, launch) else None
+    return result if _launch_once(key, launch, f"{'dense' if dense else 'masked'} forward") else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,7 +623,8 @@ def backward(q, k, v, grad_out, lse2, delta, launches: BackwardLaunches, caps: t
     policy = LaunchPolicy() if policy is None else policy
     grads, kernels = launches.prepare(q, k, v, grad_out, lse2, delta, caps)
     for name, (kernel, grid, args, kwargs) in zip(("dkdv", "dq"), kernels):
-        if not _launch_once(key + (name,), functools.partial(run, kernel, grid, args, kwargs, policy)):
-            _unsupported.add(key[:2])
+        if not _launch_once(key + (name,), functools.partial(run, kernel, grid, args, kwargs, policy),
+                            f"backward {name} kernel"):
+            _unsupported[key[:2]] = _unsupported[key + (name,)]
             return None
     return grads

@@ -93,6 +93,42 @@ def test_wrong_outputs_and_gradients_fail(tmp_path, monkeypatch):
 
 
 
+class _FallingBack(PerturbedProvider):
+    """SDPA math whose first call warns as a Gluon kernel that failed to build does."""
+
+    def prepare(self, ctx):
+        import warnings
+
+        from flexcore.errors import KernelFallbackWarning
+        inner, warned = super().prepare(ctx), []
+
+        def call(q, k, v):
+            if not warned:
+                warned.append(True)
+                warnings.warn("flexcore: the Gluon masked forward failed to build or launch (boom)",
+                              KernelFallbackWarning)
+            return inner.call(q, k, v)
+
+        return dataclasses.replace(inner, call=call, grad_call=None)
+
+
+def test_a_kernel_that_falls_back_on_its_first_call_says_so_in_the_rows(tmp_path, monkeypatch):
+    # Its times are the slower kernel's: the rows' notes carry the warning, which still reaches
+    # the user; a provider that does not fall back keeps its note.
+    from flexcore.errors import KernelFallbackWarning
+    for p in (_FallingBack("falls_back"), PerturbedProvider("steady")):
+        monkeypatch.setitem(prov.PROVIDERS, p.name, p)
+    grid = small_grid(providers=("falls_back", "steady"), passes=("fwd",), variants=[CAUSAL])
+    with pytest.warns(KernelFallbackWarning, match="boom"):
+        rows = _rows(runner.run(grid, tmp_path / "r", progress=False, log=lambda m: None))
+    for metric in ("setup_s", "compile_s"):
+        (row,) = _by(rows, provider="falls_back", metric=metric)
+        assert row["note"] == "perturbed; flexcore: the Gluon masked forward failed to build or launch (boom)"
+        (row,) = _by(rows, provider="steady", metric=metric)
+        assert row["note"] == "perturbed"
+    assert _by(rows, provider="falls_back", metric="out_correct")[0]["value"] == 1
+
+
 def test_rounds_interleave_the_providers_and_pool_their_repetitions(tmp_path, monkeypatch):
     """With settings.rounds = 3, a case's providers are timed one after another in each of 3 rounds
     (each a third of the repetitions, every other round in reverse order), and each reports

@@ -2,10 +2,13 @@
 its outputs and gradients against the float64 reference (GPU tests marked `gpu`)."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from flexcore import AuxRequest, KernelOptions, create_block_mask, flex_attention, noop_mask
+from flexcore.errors import KernelFallbackWarning
 from flexcore.kernels import hopper
 from flexcore.kernels.forward import output_strides
 from flexcore.kernels.policy import DEFAULT_POLICY
@@ -82,23 +85,59 @@ def test_output_in_the_query_order_is_contiguous(layout, served):
 
 def test_a_first_launch_that_fails_leaves_the_kernel_to_the_template(monkeypatch):
     # A Gluon compile error (an experimental API another triton may change, a mod Gluon does not
-    # take) on the first launch of a kernel is reported, not raised, and remembered; a kernel that
-    # launched once is not guarded again, so later errors surface.
-    monkeypatch.setattr(hopper, "_unsupported", set())
+    # take) on the first launch of a kernel is reported, not raised, remembered with its reason and
+    # warned about once; a kernel that launched once is not guarded again, so later errors surface.
+    monkeypatch.setattr(hopper, "_unsupported", {})
     monkeypatch.setattr(hopper, "_compiled", set())
     ran = []
 
     def failing():
         ran.append("failing")
-        raise RuntimeError("PassManager::run failed")
+        raise RuntimeError("PassManager::run failed\nmore lines")
 
-    assert hopper._launch_once("a", failing) is False
-    assert "a" in hopper._unsupported and "a" not in hopper._compiled
+    with pytest.warns(KernelFallbackWarning, match=r"Gluon masked forward .*PassManager::run failed.*template"):
+        assert hopper._launch_once("a", failing, "masked forward") is False
+    assert hopper.fallbacks() == {"a": "RuntimeError: PassManager::run failed"}
+    assert "a" not in hopper._compiled
     assert hopper._launch_once("b", lambda: ran.append("ok")) is True
     assert "b" in hopper._compiled
     with pytest.raises(RuntimeError):
         hopper._launch_once("b", failing)
     assert ran == ["failing", "ok", "failing"]
+    assert list(hopper.fallbacks()) == ["a"]
+
+
+def test_out_of_memory_on_a_first_launch_is_raised_not_remembered(monkeypatch):
+    # The template would fail alike; taking it for every later call would hide the error.
+    monkeypatch.setattr(hopper, "_unsupported", {})
+    monkeypatch.setattr(hopper, "_compiled", set())
+
+    def out_of_memory():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            hopper._launch_once("a", out_of_memory)
+    assert hopper.fallbacks() == {} and "a" not in hopper._compiled
+
+
+def test_a_mask_mod_that_calls_a_lowering_helper_takes_the_template_quietly(monkeypatch):
+    # Floor division lowers to a triton.jit helper, which a Gluon kernel cannot call: a known
+    # limit, so no module is built and nothing is warned; the reason is kept.
+    from flexcore.lowering import lower_mask_mod
+    monkeypatch.setattr(hopper, "_unsupported", {})
+
+    def chunked(b, h, qi, ki):
+        return qi // 96 >= ki // 96
+
+    lowered = lower_mask_mod(chunked)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hopper.masked_module(lowered) is None
+        assert hopper.backward_module(lowered) is None
+    reasons = set(hopper.fallbacks().values())
+    assert len(reasons) == 1 and "fl_div_floor_int" in reasons.pop()
 
 
 def test_not_used_off_the_gpu_or_when_switched_off(monkeypatch):
@@ -503,11 +542,11 @@ def test_masked_rows_without_keys(monkeypatch, case, D):
 @pytest.mark.gpu
 @needs_hopper
 def test_masked_mod_that_gluon_does_not_take_falls_back(monkeypatch):
-    # floor division lowers to a @triton.jit helper; whichever kernel runs, the result is right,
-    # and a mask whose Gluon kernel failed to build is not tried again. (Its rows are short, so
-    # only the forced switch makes the kernel try it.)
+    # Floor division lowers to a @triton.jit helper, which Gluon kernels cannot call: even forced,
+    # the template serves the mask, right and without a warning (a known limit, not a failure).
     opts = policy_options(gluon={"masked": "on"})
     calls = _spy_masked(monkeypatch)
+    monkeypatch.setattr(hopper, "_unsupported", {})
     L = S = 1024
 
     def mask(b, h, qi, ki):
@@ -516,14 +555,14 @@ def test_masked_mod_that_gluon_does_not_take_falls_back(monkeypatch):
     gen = torch.Generator().manual_seed(seed_of("hopper-helper"))
     q, k, v = (torch.randn(1, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
     bm = create_block_mask(mask, None, None, L, S, device="cuda")
-    for _ in range(2):
-        out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=opts)
-        assert_matches_reference(q, k, v, None, bm, out, lse, "hopper masked helper")
-    # Either Gluon built it (the plan then replays it) or the first launch failed, the template ran,
-    # and its plan serves the second call.
-    assert calls in ([True, True], [False]), calls
-    if calls == [False]:
-        assert any(key[0] == "forward_hopper.py.tmpl" for key in hopper._unsupported)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelFallbackWarning)
+        for _ in range(2):
+            out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=opts)
+            assert_matches_reference(q, k, v, None, bm, out, lse, "hopper masked helper")
+    assert calls == [], calls
+    assert any(key[0] == "forward_hopper.py.tmpl" and "fl_div_floor_int" in reason
+               for key, reason in hopper.fallbacks().items())
 
 
 @pytest.mark.gpu
