@@ -286,9 +286,48 @@ def _gluon_source(src: str) -> str:
     return re.sub(r"\btl\.", "gl.", src.replace("@triton.jit", "@gluon.jit"))
 
 
-# Calls of flexcore.lowering.triton_helpers (floor division, remainder, ...): triton.jit functions,
-# which a Gluon kernel cannot call, so such a mask_mod's kernels are the template's.
-_LOWERING_HELPER = re.compile(r"\b(fl_\w+)\s*\(")
+# What a lowering helper's Gluon form cannot hold: libdevice calls, inline PTX, interpreter variants.
+_NO_GLUON_FORM = re.compile(r"libdevice|inline_asm|_INTERPRET")
+_CALL = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
+
+
+@functools.lru_cache(maxsize=1)
+def _gluon_helpers() -> tuple[dict, frozenset]:
+    """The Triton helpers of flexcore.lowering.triton_helpers (floor division, remainder, ...) that
+    generated mods call: ({name: (Gluon form, the helpers it calls)} of those with a Gluon form,
+    every helper's name). A Gluon form exists for a helper defined once at module level in plain
+    ``tl`` arithmetic. Read from the helpers' source, which is not imported here."""
+    import ast
+    from pathlib import Path
+
+    import flexcore.lowering
+
+    text = (Path(flexcore.lowering.__file__).parent / "triton_helpers.py").read_text()
+    tree = ast.parse(text)
+    names = frozenset(node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef))
+    forms = {}
+    for node in tree.body:
+        body = ast.get_source_segment(text, node) if isinstance(node, ast.FunctionDef) else None
+        if body is not None and _NO_GLUON_FORM.search(body) is None:
+            calls = {c for c in _CALL.findall(body) if c in names and c != node.name}
+            forms[node.name] = ("@gluon.jit\n" + _gluon_source(body), calls)
+    return forms, names
+
+
+def _helpers_for(source: str) -> tuple[str, str | None]:
+    """(the Gluon forms of the helpers ``source`` calls, directly or through each other, None), or
+    ("", a helper it calls that has none)."""
+    forms, names = _gluon_helpers()
+    todo, done = [c for c in _CALL.findall(source) if c in names], {}
+    while todo:
+        name = todo.pop()
+        if name in done:
+            continue
+        if name not in forms:
+            return "", name
+        done[name], calls = forms[name]
+        todo.extend(calls)
+    return "\n\n\n".join(done[name] for name in sorted(done)), None
 
 
 def _mask_module(template: str, mask_lowered):
@@ -297,14 +336,15 @@ def _mask_module(template: str, mask_lowered):
     key = (template, mask_lowered.source)
     if key in _unsupported:
         return None
-    helper = _LOWERING_HELPER.search(mask_lowered.source)
-    if helper is not None:  # a known limit, not a failure: no warning
-        _unsupported[key] = (f"the mask_mod calls {helper.group(1)} (a Triton helper of the lowering), "
-                             f"which Gluon kernels cannot call")
+    helpers, missing = _helpers_for(mask_lowered.source)
+    if missing is not None:  # a known limit, not a failure: no warning
+        _unsupported[key] = (f"the mask_mod calls {missing} (a Triton helper of the lowering), which has "
+                             f"no Gluon form (libdevice or inline PTX)")
         return None
 
     def build():
-        values = {"MOD_FUNCTIONS": _gluon_source(mask_lowered.source),
+        # The helpers' Gluon forms follow the header's import of their Triton forms, and replace them.
+        values = {"MOD_FUNCTIONS": "\n\n\n".join(filter(None, [helpers, _gluon_source(mask_lowered.source)])),
                   "MASK_CAPS": codegen.cap_list(mask_lowered.cap_params)}
         return codegen.HEADER + codegen.fill_template(codegen.read_template(template), values)
 

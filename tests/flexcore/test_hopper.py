@@ -122,22 +122,29 @@ def test_out_of_memory_on_a_first_launch_is_raised_not_remembered(monkeypatch):
     assert hopper.fallbacks() == {} and "a" not in hopper._compiled
 
 
-def test_a_mask_mod_that_calls_a_lowering_helper_takes_the_template_quietly(monkeypatch):
-    # Floor division lowers to a triton.jit helper, which a Gluon kernel cannot call: a known
-    # limit, so no module is built and nothing is warned; the reason is kept.
+def test_a_mask_mod_s_lowering_helpers_come_in_gluon_form(monkeypatch):
+    # Floor division and remainder lower to triton.jit helpers, which a Gluon kernel cannot call:
+    # the Gluon module carries Gluon forms of them (and of the helpers they call). A helper without
+    # one (libdevice's) leaves the mask to the template, quietly: a known limit, not a failure.
     from flexcore.lowering import lower_mask_mod
     monkeypatch.setattr(hopper, "_unsupported", {})
 
     def chunked(b, h, qi, ki):
-        return qi // 96 >= ki // 96
+        return (qi // 96 >= ki // 96) & ((ki - qi) % 7 != 3)
 
-    lowered = lower_mask_mod(chunked)
+    def atan_bands(b, h, qi, ki):
+        return torch.atan(qi.float() - ki.float()) > -1.0
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert hopper.masked_module(lowered) is None
-        assert hopper.backward_module(lowered) is None
+        for build in (hopper.masked_module, hopper.backward_module):
+            module = build(lower_mask_mod(chunked))
+            assert module is not None
+            for helper in ("fl_div_floor_int", "fl_div_trunc_int", "fl_remainder_int"):
+                assert type(getattr(module, helper)).__name__ == "GluonJITFunction", helper
+        assert hopper.masked_module(lower_mask_mod(atan_bands)) is None
     reasons = set(hopper.fallbacks().values())
-    assert len(reasons) == 1 and "fl_div_floor_int" in reasons.pop()
+    assert len(reasons) == 1 and "fl_atan" in reasons.pop()
 
 
 def test_not_used_off_the_gpu_or_when_switched_off(monkeypatch):
@@ -541,28 +548,32 @@ def test_masked_rows_without_keys(monkeypatch, case, D):
 
 @pytest.mark.gpu
 @needs_hopper
-def test_masked_mod_that_gluon_does_not_take_falls_back(monkeypatch):
-    # Floor division lowers to a @triton.jit helper, which Gluon kernels cannot call: even forced,
-    # the template serves the mask, right and without a warning (a known limit, not a failure).
-    opts = policy_options(gluon={"masked": "on"})
-    calls = _spy_masked(monkeypatch)
+@pytest.mark.parametrize("name", ["chunks", "negative_operands"])
+def test_masks_with_floor_division_and_remainder_run_in_gluon(monkeypatch, name):
+    # Floor division and remainder lower to Triton helpers; the Gluon kernels carry Gluon forms of
+    # them (torch's rounding toward negative infinity, negative operands included), forward and
+    # backward, and build without a fallback.
+    opts = policy_options(gluon={"masked": "on", "backward": "on"})
+    forwards, backwards = _spy_masked(monkeypatch), _spy_backward(monkeypatch)
     monkeypatch.setattr(hopper, "_unsupported", {})
     L = S = 1024
+    if name == "chunks":
+        def mask(b, h, qi, ki):
+            return (qi // 256) == (ki // 256)
+    else:
+        def mask(b, h, qi, ki):
+            return ((ki - qi) // 100 >= -5) & ((ki - qi) % 3 != 1) & (ki <= qi)
 
-    def mask(b, h, qi, ki):
-        return (qi // 256) == (ki // 256)
-
-    gen = torch.Generator().manual_seed(seed_of("hopper-helper"))
+    gen = torch.Generator().manual_seed(seed_of("hopper-helper", name))
     q, k, v = (torch.randn(1, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
     bm = create_block_mask(mask, None, None, L, S, device="cuda")
     with warnings.catch_warnings():
         warnings.simplefilter("error", KernelFallbackWarning)
-        for _ in range(2):
-            out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=opts)
-            assert_matches_reference(q, k, v, None, bm, out, lse, "hopper masked helper")
-    assert calls == [], calls
-    assert any(key[0] == "forward_hopper.py.tmpl" and "fl_div_floor_int" in reason
-               for key, reason in hopper.fallbacks().items())
+        out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=opts)
+        assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper masked helper {name}")
+        _check_grads(q, k, v, bm, f"hopper helper {name}", kernel_options=opts)
+    assert forwards and all(forwards) and backwards == [True], (forwards, backwards)
+    assert hopper.fallbacks() == {}
 
 
 @pytest.mark.gpu
