@@ -101,6 +101,11 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
     else:
         dense = forward.is_dense(blocks, L, S, opts)
         gluon = forward.gluon_choice(q, k, v, score_lowered, mask_lowered, blocks, dense, scale, opts)
+        # A Gluon kernel that failed earlier in this process (or a mask it cannot take) stays off.
+        failed = hopper.fallback_reason(("dense", q.dtype, D) if gluon is not None and gluon[0] == "dense"
+                                        else ("forward_hopper.py.tmpl", mask_lowered.source))
+        if failed is not None:
+            gluon = None
         if gluon is not None:
             fwd_kernel = f"gluon-{gluon[0]}"
             rule = "dense" if gluon[0] == "dense" else "masked"
@@ -117,7 +122,7 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
             small = (not dense and hopper.applies_masked(q, k, v, score_lowered, blocks, dense, scale, lifted)
                      and hopper.masked_tables(blocks, L, S, D, lifted) is not None)
             lines.append(f"forward: Triton template ({where}); Gluon kernels not taken: "
-                         f"{_gluon_refusal(q, k, v, policy, dense, small)}")
+                         f"{_gluon_refusal(q, k, v, policy, dense, small, failed=failed)}")
             used = forward.refined(blocks, q, k, v, score_lowered, mask_lowered, scale, opts)
             fine = used is not blocks
             lines.append(f"  tables: {tuple(used.sparse_block)} blocks"
@@ -151,9 +156,12 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
     q_blocks = tables.q_block_tensors(block_mask, B, Hq)
     bwd_kernel = "triton"
     dense = blocks.all_full(math.ceil(L / blocks.sparse_block[0]), math.ceil(S / blocks.sparse_block[1]))
-    if (hopper.backward_may_apply(q, opts)
-            and hopper.applies_backward(q, k, v, out_like, score_lowered, blocks, q_blocks, dense, scale, opts)
-            and hopper.backward_module(mask_lowered) is not None):
+    gluon_backward = (hopper.backward_may_apply(q, opts)
+                      and hopper.applies_backward(q, k, v, out_like, score_lowered, blocks, q_blocks, dense,
+                                                  scale, opts)
+                      and hopper.backward_module(mask_lowered) is not None)
+    failed = hopper.fallback_reason(("backward_hopper.py.tmpl", mask_lowered.source))
+    if gluon_backward and failed is None:
         bwd_kernel = "gluon"
         lines.append(f"backward: Gluon dK/dV and dQ kernels for Hopper ({where}), because "
                      f"{_switch('gluon', 'backward', policy.gluon.backward)} and the call is one they serve")
@@ -171,7 +179,7 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
                      "one launch" if choice.may_fuse else "two launches")
         lines += [
             f"backward: Triton template ({where}); Gluon kernels not taken: "
-            f"{_gluon_refusal(q, k, v, policy, dense, small, backward=True)}",
+            f"{_gluon_refusal(q, k, v, policy, dense, small, backward=True, failed=failed)}",
             f"  tables: {tuple(kv_used.sparse_block)} blocks"
             + (" (finer tables)" if fine is not None else " (the mask's own)"),
             f"  dense path: {choice.dense} ({_switch('backward', 'dense', b.dense)}, head dims "
@@ -211,10 +219,12 @@ def _size_rule_lifted(opts: KernelOptions) -> KernelOptions:
     return dataclasses.replace(opts, policy=opts.dispatch.replace(gluon={"masked_min_flops": 0}))
 
 
-def _gluon_refusal(q, k, v, policy, dense: bool, small: bool, backward: bool = False) -> str:
+def _gluon_refusal(q, k, v, policy, dense: bool, small: bool, backward: bool = False,
+                   failed: str | None = None) -> str:
     """Why the Gluon kernels (the backward's, or the forward's) do not serve the call, in the first
     rule that refuses. ``small``: the kernels would serve it but for its size
-    (gluon.masked_min_flops)."""
+    (gluon.masked_min_flops). ``failed``: the reason kept for their module or launch
+    (flexcore.kernels.hopper.fallback_reason)."""
     from flexcore._runtime import use_interpreter
     from flexcore.kernels.forward import dense_flops
 
@@ -224,6 +234,8 @@ def _gluon_refusal(q, k, v, policy, dense: bool, small: bool, backward: bool = F
     value = getattr(policy.gluon, rule)
     if value == "off":
         return _switch("gluon", rule, value)
+    if failed is not None:
+        return f"they failed to build or launch for this mask earlier in this process, or cannot take it ({failed})"
     if small:
         return (f"a masked call of {dense_flops(q, k, v):.3g} dense-equivalent FLOPs, under "
                 f"policy.gluon.masked_min_flops={policy.gluon.masked_min_flops:g}")

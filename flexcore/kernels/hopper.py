@@ -243,6 +243,13 @@ def fallbacks() -> dict:
     return dict(_unsupported)
 
 
+def fallback_reason(prefix: tuple) -> str | None:
+    """The reason kept for a Gluon kernel whose key starts with ``prefix`` (a template's name and a
+    mask_mod's lowered source, or ("dense", dtype, head dim)), or None where none failed."""
+    n = len(prefix)
+    return next((reason for key, reason in _unsupported.items() if key[:n] == prefix), None)
+
+
 def _not_a_build_failure(error: BaseException) -> bool:
     # Out of memory, or the device in a failed state: the template would fail alike, and taking
     # it for every later call would hide the error.

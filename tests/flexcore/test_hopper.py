@@ -107,6 +107,15 @@ def test_a_first_launch_that_fails_leaves_the_kernel_to_the_template(monkeypatch
     assert list(hopper.fallbacks()) == ["a"]
 
 
+def test_fallback_reason_finds_a_kernel_by_its_key_s_prefix(monkeypatch):
+    monkeypatch.setattr(hopper, "_unsupported", {("forward_hopper.py.tmpl", "src", torch.bfloat16, 128): "boom",
+                                                 ("dense", torch.float16, 64): "bang"})
+    assert hopper.fallback_reason(("forward_hopper.py.tmpl", "src")) == "boom"
+    assert hopper.fallback_reason(("dense", torch.float16, 64)) == "bang"
+    assert hopper.fallback_reason(("forward_hopper.py.tmpl", "other")) is None
+    assert hopper.fallback_reason(("dense", torch.bfloat16, 64)) is None
+
+
 def test_out_of_memory_on_a_first_launch_is_raised_not_remembered(monkeypatch):
     # The template would fail alike; taking it for every later call would hide the error.
     monkeypatch.setattr(hopper, "_unsupported", {})
@@ -647,6 +656,40 @@ def test_small_masked_calls_take_the_template(monkeypatch, lifted):
     assert (said.forward_kernel, said.backward_kernel) == kernels, str(said)
     # forward and backward each name the size rule as the reason, or neither does
     assert str(said).count("masked_min_flops=2e+11") == (0 if lifted else 2), str(said)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_a_failed_first_launch_runs_the_template_and_explain_says_why(monkeypatch):
+    # A Gluon kernel whose first launch fails: one warning, the template's right results for this
+    # call and the next, and explain names the kept reason instead of the Gluon kernels.
+    import flexcore
+    from flexcore.kernels import launch
+    monkeypatch.setattr(hopper, "_unsupported", {})
+    monkeypatch.setattr(hopper, "_compiled", set())
+    launch.clear_plans()
+    real_run = launch.run
+
+    def run(kernel, *args, **kwargs):
+        if "hopper" in getattr(kernel, "__name__", ""):
+            raise RuntimeError("PassManager::run failed (simulated)")
+        return real_run(kernel, *args, **kwargs)
+
+    monkeypatch.setattr(launch, "run", run)
+    N, D = 4096, 128
+    gen = torch.Generator().manual_seed(seed_of("hopper-failed-launch"))
+    q, k, v = (torch.randn(1, 2, N, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+    bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, N, N, device="cuda")
+    opts = {"policy": DEFAULT_POLICY.replace(gluon={"masked_min_flops": 0})}
+    with pytest.warns(KernelFallbackWarning, match="simulated"):
+        _check_grads(q, k, v, bm, "failed first launch", kernel_options=opts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelFallbackWarning)
+        out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=opts)
+    assert_matches_reference(q, k, v, None, bm, out, lse, "after a failed first launch")
+    said = flexcore.explain(q, k, v, block_mask=bm, kernel_options=opts)
+    assert (said.forward_kernel, said.backward_kernel) == ("triton", "triton"), str(said)
+    assert str(said).count("simulated") == 2, str(said)
 
 
 # --- the backward (backward_hopper.py.tmpl) ---
