@@ -24,7 +24,6 @@ import tempfile
 import time
 import traceback
 import uuid
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Union
@@ -37,7 +36,7 @@ from bench.context import CaseContext, Slice, make_context
 from bench.grid import Case, Grid, case_from_dict
 from bench.lock import FolderBusyError, FolderLock
 from bench.timing import GraphCaptureError, peak_memory, pooled, time_call, time_first_call
-from flexcore.errors import KernelFallbackWarning
+from flexcore.kernels import hopper
 from variants.core import Mods
 
 SCHEMA_VERSION = "flexlab-bench/1"
@@ -186,6 +185,15 @@ class ResultsFileError(ValueError):
 
 
 # ---- one case --------------------------------------------------------------------------------
+
+
+def _fallback_notes(before: dict) -> list[str]:
+    """The reasons for which flexcore's Gluon kernels turned calls to the Triton template since
+    ``before`` (hopper.fallback_counts): a row timed on the template says so, in every case that
+    meets a kept failure, not only the first (its warning is given once per process)."""
+    counts, reasons = hopper.fallback_counts(), hopper.fallbacks()
+    found = dict.fromkeys(reasons[key] for key, n in counts.items() if n > before.get(key, 0) and key in reasons)
+    return [f"Gluon kernel not used ({reason}): the Triton template's times" for reason in found]
 
 
 def _error_text(exc: BaseException) -> str:
@@ -369,15 +377,9 @@ class CaseRunner:
             self._error(name, "prepare", exc)
             return
         step = self._step(prepared)
+        declined = hopper.fallback_counts()
         try:
-            # A kernel that falls back on its first call (a Gluon kernel that failed to build) says
-            # so in the row's note: its times are the slower kernel's.
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", KernelFallbackWarning)
-                compile_s = time_first_call(lambda: step(0), self.device)
-            for w in caught:
-                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            fallbacks = [str(w.message) for w in caught if issubclass(w.category, KernelFallbackWarning)]
+            compile_s = time_first_call(lambda: step(0), self.device)
         except (prov.Unsupported, NotImplementedError) as exc:
             what = "backward" if c.pass_ == "fwd_bwd" and self._forward_works(prepared) else "call"
             self.row(name, "status", None, status="unsupported", note=f"{what}: {_error_text(exc)}")
@@ -386,8 +388,7 @@ class CaseRunner:
             self._error(name, "first call", exc)
             return
         note = prepared.note  # after the first call, which may have changed how the case runs
-        if fallbacks:
-            note = "; ".join(filter(None, [note, *fallbacks]))
+        note = "; ".join(filter(None, [note, *_fallback_notes(declined)]))
         self.row(name, "setup_s", prov_setup, "s", note=note)
         self.row(name, "compile_s", compile_s, "s", note=note)
         memory = []

@@ -101,11 +101,16 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
     else:
         dense = forward.is_dense(blocks, L, S, opts)
         gluon = forward.gluon_choice(q, k, v, score_lowered, mask_lowered, blocks, dense, scale, opts)
-        # A Gluon kernel that failed earlier in this process (or a mask it cannot take) stays off.
-        failed = hopper.fallback_reason(("dense", q.dtype, D) if gluon is not None and gluon[0] == "dense"
-                                        else ("forward_hopper.py.tmpl", mask_lowered.source))
-        if failed is not None:
-            gluon = None
+        # A Gluon kernel that failed earlier in this process, or a mask_mod its module cannot take:
+        # the template serves the call (explain has no sinks).
+        failed = None
+        if gluon is not None:
+            failed = hopper.kept_reason(hopper.dense_key(q.dtype, D) if gluon[0] == "dense"
+                                        else hopper.masked_forward_key(mask_lowered, q.dtype, D))
+            if failed is not None:
+                gluon = None
+        elif not dense and hopper.applies_masked(q, k, v, score_lowered, blocks, dense, scale, opts):
+            failed = hopper.kept_reason(hopper.module_key("forward_hopper.py.tmpl", mask_lowered))
         if gluon is not None:
             fwd_kernel = f"gluon-{gluon[0]}"
             rule = "dense" if gluon[0] == "dense" else "masked"
@@ -156,12 +161,13 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
     q_blocks = tables.q_block_tensors(block_mask, B, Hq)
     bwd_kernel = "triton"
     dense = blocks.all_full(math.ceil(L / blocks.sparse_block[0]), math.ceil(S / blocks.sparse_block[1]))
-    gluon_backward = (hopper.backward_may_apply(q, opts)
-                      and hopper.applies_backward(q, k, v, out_like, score_lowered, blocks, q_blocks, dense,
-                                                  scale, opts)
-                      and hopper.backward_module(mask_lowered) is not None)
-    failed = hopper.fallback_reason(("backward_hopper.py.tmpl", mask_lowered.source))
-    if gluon_backward and failed is None:
+    serves = (hopper.backward_may_apply(q, opts)
+              and hopper.applies_backward(q, k, v, out_like, score_lowered, blocks, q_blocks, dense, scale, opts))
+    # backward_module is None where the module or a launch failed, or the mask_mod is one it cannot take.
+    failed = None
+    if serves and hopper.backward_module(mask_lowered) is None:
+        failed = hopper.kept_reason(hopper.module_key("backward_hopper.py.tmpl", mask_lowered))
+    if serves and failed is None:
         bwd_kernel = "gluon"
         lines.append(f"backward: Gluon dK/dV and dQ kernels for Hopper ({where}), because "
                      f"{_switch('gluon', 'backward', policy.gluon.backward)} and the call is one they serve")
@@ -224,7 +230,7 @@ def _gluon_refusal(q, k, v, policy, dense: bool, small: bool, backward: bool = F
     """Why the Gluon kernels (the backward's, or the forward's) do not serve the call, in the first
     rule that refuses. ``small``: the kernels would serve it but for its size
     (gluon.masked_min_flops). ``failed``: the reason kept for their module or launch
-    (flexcore.kernels.hopper.fallback_reason)."""
+    (flexcore.kernels.hopper.kept_reason)."""
     from flexcore._runtime import use_interpreter
     from flexcore.kernels.forward import dense_flops
 
@@ -234,11 +240,11 @@ def _gluon_refusal(q, k, v, policy, dense: bool, small: bool, backward: bool = F
     value = getattr(policy.gluon, rule)
     if value == "off":
         return _switch("gluon", rule, value)
-    if failed is not None:
-        return f"they failed to build or launch for this mask earlier in this process, or cannot take it ({failed})"
     if small:
         return (f"a masked call of {dense_flops(q, k, v):.3g} dense-equivalent FLOPs, under "
                 f"policy.gluon.masked_min_flops={policy.gluon.masked_min_flops:g}")
+    if failed is not None:
+        return f"they failed to build or launch earlier in this process, or cannot take this mask_mod ({failed})"
     dims = "128" if backward else "64 or 128 (FP8: 128)"
     return ("the call is not one they serve (see flexcore.kernels.hopper: identity score_mod, 16-bit or "
             f"FP8, head dim {dims}, lengths multiple of 128, rows long enough)")

@@ -573,8 +573,7 @@ def _forward(q, k, v, score_lowered, mask_lowered, blocks: BlockTensors, scale: 
         module, table_args, has_full = gluon[1]
         run = functools.partial(hopper.forward_masked, module=module, table_args=table_args,
                                 has_full=has_full, scale=scale, policy=opts.dispatch.launch,
-                                key=("forward_hopper.py.tmpl", mask_lowered.source, q.dtype, D,
-                                     sinks is not None))
+                                key=hopper.masked_forward_key(mask_lowered, q.dtype, D, sinks is not None))
         result = run(q, k, v, caps=caps, sinks=sinks, descales=descales)
         if result is not None:
             _log.debug("forward: Gluon masked kernel (head dim %d, %s%s)", D, q.dtype, sink_note)

@@ -43,6 +43,8 @@ warpgroups (flexcore/README.md, docs/decisions.md#gluon-backward).
 """
 from __future__ import annotations
 
+import ast
+import collections
 import functools
 import re
 import types
@@ -97,6 +99,8 @@ DENSE_TILES = types.MappingProxyType({128: GluonTiles(2, NUM_STAGES, WG_REGS, MA
 MASKED_TILES = DENSE_TILES
 # FP8 (head dim 128): K and V tiles take half the shared memory of 16-bit ones (148 KB at 3 slots).
 FP8_TILES = types.MappingProxyType({128: GluonTiles(2, NUM_STAGES, WG_REGS, MAX_REGS)})
+# Two warpgroups only: FP8 over union lists (three) gave wrong results (docs/decisions.md#fp8-forward).
+assert all(tiles.num_wg == 2 for tiles in FP8_TILES.values())
 _LOG2E = 1.4426950408889634
 
 
@@ -200,8 +204,7 @@ def applies(q, k, v, score_lowered, dense: bool, scale: float, opts) -> bool:
     rule = opts.dispatch.gluon.dense
     if rule == "off" or not dense or use_interpreter() or not q.is_cuda:
         return False
-    ok = (_common(q, k, v, score_lowered, scale, opts, DENSE_TILES) and _output_contiguous(q)
-          and ("dense", q.dtype, q.shape[3]) not in _unsupported)
+    ok = _common(q, k, v, score_lowered, scale, opts, DENSE_TILES) and _output_contiguous(q)
     if not ok and rule == "on":
         raise _refuse("dense", "dense")
     return ok
@@ -232,48 +235,91 @@ def applies_masked(q, k, v, score_lowered, blocks, dense: bool, scale: float, op
     return ok
 
 
-# Kernels (by key) whose first launch failed, with the reason: the Triton template serves them.
+# Gluon kernels (by key) that the Triton template serves instead, with the reason: a first launch
+# or a module that failed, or a mask_mod they cannot take. And how many calls each turned away.
 _unsupported: dict = {}
+_declined: collections.Counter = collections.Counter()
 _compiled: set = set()
 
 
 def fallbacks() -> dict:
-    """The Gluon kernels that failed to build or launch in this process, each key with its error
-    text: the Triton template serves those calls (each also gave one KernelFallbackWarning)."""
+    """The Gluon kernels (by key) that do not serve calls in this process, each with its reason: a
+    first launch or a module build that failed (each gave one KernelFallbackWarning), or a
+    mask_mod whose helpers have no Gluon form (no warning). A failed backward launch is listed
+    under its kernel's key and under its module's."""
     return dict(_unsupported)
 
 
-def fallback_reason(prefix: tuple) -> str | None:
-    """The reason kept for a Gluon kernel whose key starts with ``prefix`` (a template's name and a
-    mask_mod's lowered source, or ("dense", dtype, head dim)), or None where none failed."""
-    n = len(prefix)
-    return next((reason for key, reason in _unsupported.items() if key[:n] == prefix), None)
+def fallback_counts() -> dict:
+    """How many calls each key of :func:`fallbacks` has turned to the template so far (the failing
+    one included): a caller compares two snapshots to learn which reasons applied between them."""
+    return dict(_declined)
+
+
+def kept_reason(key) -> str | None:
+    """The reason kept for ``key`` (:func:`dense_key`, :func:`masked_forward_key`,
+    :func:`module_key`), or None."""
+    return _unsupported.get(key)
+
+
+def dense_key(dtype: torch.dtype, head_dim: int, sinks: bool = False) -> tuple:
+    return ("dense", dtype, head_dim) + (("sinks",) if sinks else ())
+
+
+def masked_forward_key(mask_lowered, dtype: torch.dtype, head_dim: int, sinks: bool = False) -> tuple:
+    return ("forward_hopper.py.tmpl", mask_lowered.source, dtype, head_dim, sinks)
+
+
+def module_key(template: str, mask_lowered) -> tuple:
+    """The key of a Gluon template's module for a mask_mod; a failed backward launch is kept here
+    too, so that the mask's later backwards skip the module."""
+    return (template, mask_lowered.source)
+
+
+def _turned_away(key) -> bool:
+    """Whether ``key`` is kept in :func:`fallbacks` (then the call is counted)."""
+    if key not in _unsupported:
+        return False
+    _declined[key] += 1
+    return True
+
+
+def _reason(error: BaseException) -> str:
+    # triton's CompilationError starts with the source location and lines; its message is kept apart.
+    message = getattr(error, "error_message", None) or next(
+        (line for line in str(error).strip().splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {str(message).strip()[:300]}"
 
 
 def _not_a_build_failure(error: BaseException) -> bool:
-    # Out of memory, or the device in a failed state: the template would fail alike, and taking
-    # it for every later call would hide the error.
-    accelerator = getattr(torch, "AcceleratorError", ())
-    return isinstance(error, torch.cuda.OutOfMemoryError) or (bool(accelerator)
-                                                               and isinstance(error, accelerator))
+    # Out of memory, or a device error (torch's, or the one triton's launcher raises): the template
+    # would fail alike, and taking it for every later call would hide the error.
+    if isinstance(error, (torch.cuda.OutOfMemoryError, *_ACCELERATOR_ERRORS)):
+        return True
+    text = str(error)
+    return "Triton Error [CUDA]" in text or "CUDA error" in text
+
+
+_ACCELERATOR_ERRORS = tuple(filter(None, [getattr(torch, "AcceleratorError", None)]))
 
 
 def _fall_back(key, what: str, error: BaseException) -> None:
-    """Remember that ``key`` failed and say so once: which kernel, the error, and what serves the
-    call instead (the results stay right; the speed is the template's)."""
-    first_line = (str(error).strip().splitlines() or [""])[0][:300]
-    reason = f"{type(error).__name__}: {first_line}"
-    _unsupported[key] = reason
+    """Say once that ``key`` failed (which kernel, the error, what serves the call instead), then
+    remember it: where the warning is turned into an error, the key is not remembered and the
+    next call raises too."""
+    reason = _reason(error)
     warnings.warn(f"flexcore: the Gluon {what} failed to build or launch ({reason}); the Triton template "
                   f"serves this call and the calls like it in this process (same results, the "
-                  f"template's speed)", KernelFallbackWarning, stacklevel=2)
+                  f"template's speed)", KernelFallbackWarning, stacklevel=3)
+    _unsupported[key] = reason
+    _declined[key] += 1
 
 
 def _launch_once(key, launch, what: str = "kernel") -> bool:
     """Run ``launch``; on the first launch of ``key`` a failure (a Gluon compile error: an
-    experimental API that another triton may change, a mod Gluon does not take) is remembered,
-    warned about (KernelFallbackWarning) and reported as False, so that the caller and later
-    calls take the template. Out-of-memory and device errors are raised, not remembered."""
+    experimental API that another triton may change, a mod Gluon does not take) is warned about
+    (KernelFallbackWarning), remembered and reported as False, so that the caller and later calls
+    take the template. Out-of-memory and device errors are raised, not remembered."""
     if key in _compiled:
         launch()
         return True
@@ -293,60 +339,83 @@ def _gluon_source(src: str) -> str:
     return re.sub(r"\btl\.", "gl.", src.replace("@triton.jit", "@gluon.jit"))
 
 
-# What a lowering helper's Gluon form cannot hold: libdevice calls, inline PTX, interpreter variants.
-_NO_GLUON_FORM = re.compile(r"libdevice|inline_asm|_INTERPRET")
-_CALL = re.compile(r"\b([A-Za-z_]\w*)\s*\(")
+_NAME = re.compile(r"\b[A-Za-z_]\w*\b")
+
+
+def _module_names(body) -> set:
+    """Names that statements at a module's level bind (imports, assignments; inside if and try
+    blocks too), not those bound inside functions or classes."""
+    names = set()
+    for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try)):
+            for block in (node.body, node.orelse, *(h.body for h in getattr(node, "handlers", ())),
+                          getattr(node, "finalbody", [])):
+                names |= _module_names(block)
+    return names
 
 
 @functools.lru_cache(maxsize=1)
 def _gluon_helpers() -> tuple[dict, frozenset]:
     """The Triton helpers of flexcore.lowering.triton_helpers (floor division, remainder, ...) that
-    generated mods call: ({name: (Gluon form, the helpers it calls)} of those with a Gluon form,
-    every helper's name). A Gluon form exists for a helper defined once at module level in plain
-    ``tl`` arithmetic. Read from the helpers' source, which is not imported here."""
-    import ast
+    generated mods call: ({name: (Gluon form, the helpers it reads)} of those with a Gluon form,
+    every helper's name). A helper defined at the module's level has one unless it reads a module
+    name other than ``tl`` and ``triton`` (libdevice, the interpreter switch, a constant) or uses
+    inline PTX; those defined inside an if block (the interpreter's and the GPU's variants) have
+    none. Read from the helpers' source, which is not imported here."""
     from pathlib import Path
 
     import flexcore.lowering
 
     text = (Path(flexcore.lowering.__file__).parent / "triton_helpers.py").read_text()
     tree = ast.parse(text)
-    names = frozenset(node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef))
+    helpers = frozenset(node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef))
+    foreign = _module_names(tree.body) - {"tl", "triton"}
     forms = {}
     for node in tree.body:
-        body = ast.get_source_segment(text, node) if isinstance(node, ast.FunctionDef) else None
-        if body is not None and _NO_GLUON_FORM.search(body) is None:
-            calls = {c for c in _CALL.findall(body) if c in names and c != node.name}
-            forms[node.name] = ("@gluon.jit\n" + _gluon_source(body), calls)
-    return forms, names
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        reads = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+        if reads & foreign or any(isinstance(n, ast.Attribute) and n.attr == "inline_asm_elementwise"
+                                  for n in ast.walk(node)):
+            continue
+        forms[node.name] = ("@gluon.jit\n" + _gluon_source(ast.get_source_segment(text, node)),
+                            frozenset(reads & helpers - {node.name}))
+    return forms, helpers
 
 
+@functools.lru_cache(maxsize=256)
 def _helpers_for(source: str) -> tuple[str, str | None]:
-    """(the Gluon forms of the helpers ``source`` calls, directly or through each other, None), or
-    ("", a helper it calls that has none)."""
-    forms, names = _gluon_helpers()
-    todo, done = [c for c in _CALL.findall(source) if c in names], {}
+    """(the Gluon forms of the helpers ``source`` reads, directly or through each other, None), or
+    ("", a helper it reads that has none)."""
+    forms, helpers = _gluon_helpers()
+    todo, done = [name for name in _NAME.findall(source) if name in helpers], {}
     while todo:
         name = todo.pop()
         if name in done:
             continue
         if name not in forms:
             return "", name
-        done[name], calls = forms[name]
-        todo.extend(calls)
+        done[name], reads = forms[name]
+        todo.extend(reads)
     return "\n\n\n".join(done[name] for name in sorted(done)), None
 
 
 def _mask_module(template: str, mask_lowered):
     """The module of a Gluon template filled with this mask_mod, or None where it does not build."""
     from flexcore.kernels import codegen
-    key = (template, mask_lowered.source)
-    if key in _unsupported:
+    key = module_key(template, mask_lowered)
+    if _turned_away(key):
         return None
     helpers, missing = _helpers_for(mask_lowered.source)
     if missing is not None:  # a known limit, not a failure: no warning
         _unsupported[key] = (f"the mask_mod calls {missing} (a Triton helper of the lowering), which has "
                              f"no Gluon form (libdevice or inline PTX)")
+        _declined[key] += 1
         return None
 
     def build():
@@ -499,7 +568,7 @@ def forward_masked(q, k, v, module, table_args: tuple, has_full: bool, scale: fl
                    sinks=None, descales=None, policy=None):
     """As :func:`forward`, over the tables of :func:`masked_tables`. None where the kernel fails to
     compile for this mask (the first launch of ``key``; the caller then takes the template)."""
-    if key in _unsupported:
+    if _turned_away(key):
         return None
     return _forward(q, k, v, module, table_args, False, has_full, scale, caps, key, sinks, descales, policy)
 
@@ -514,8 +583,8 @@ def forward(q, k, v, scale: float, sinks=None, descales=None, policy=None):
     module = dense_module()
     if module is None:
         return None
-    key = ("dense", q.dtype, q.shape[3]) + (() if sinks is None else ("sinks",))
-    if key in _unsupported:
+    key = dense_key(q.dtype, q.shape[3], sinks is not None)
+    if _turned_away(key):
         return None
     # DENSE reads no tables: any pointer and stride will do.
     return _forward(q, k, v, module, (q,) * 4 + (0,) * 12, True, False, scale, (), key, sinks, descales, policy)
@@ -535,8 +604,6 @@ def _forward(q, k, v, module, table_args: tuple, dense: bool, has_full: bool, sc
     tiles = (FP8_TILES if descales is not None else DENSE_TILES if dense else MASKED_TILES)[D]
     rows = tiles.num_wg * (BLOCK_M // 2)
     union = not dense and tiles.num_wg == 3  # programs over two mask blocks: union_tables
-    if union and descales is not None:  # it gave wrong results (docs/decisions.md#fp8-forward)
-        raise NotImplementedError("the FP8 Gluon forward over union lists (three warpgroups) is not supported")
     # lse stands in for the pointers a call does not read (sinks without HAS_SINKS, descales
     # without FP8).
     stand_in = descs[4]

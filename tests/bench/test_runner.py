@@ -93,40 +93,42 @@ def test_wrong_outputs_and_gradients_fail(tmp_path, monkeypatch):
 
 
 
-class _FallingBack(PerturbedProvider):
-    """SDPA math whose first call warns as a Gluon kernel that failed to build does."""
+class _TurnedAway(PerturbedProvider):
+    """SDPA math that, at every call, meets a Gluon kernel kept as failed, as flexcore's calls do
+    once a first launch failed."""
 
     def prepare(self, ctx):
-        import warnings
-
-        from flexcore.errors import KernelFallbackWarning
-        inner, warned = super().prepare(ctx), []
+        from flexcore.kernels import hopper
+        inner = super().prepare(ctx)
 
         def call(q, k, v):
-            if not warned:
-                warned.append(True)
-                warnings.warn("flexcore: the Gluon masked forward failed to build or launch (boom)",
-                              KernelFallbackWarning)
+            assert hopper._turned_away("failed kernel")
             return inner.call(q, k, v)
 
         return dataclasses.replace(inner, call=call, grad_call=None)
 
 
-def test_a_kernel_that_falls_back_on_its_first_call_says_so_in_the_rows(tmp_path, monkeypatch):
-    # Its times are the slower kernel's: the rows' notes carry the warning, which still reaches
-    # the user; a provider that does not fall back keeps its note.
-    from flexcore.errors import KernelFallbackWarning
-    for p in (_FallingBack("falls_back"), PerturbedProvider("steady")):
+def test_rows_timed_on_the_template_after_a_failed_gluon_kernel_say_why(tmp_path, monkeypatch):
+    # In every case, not only the first (the warning is given once per process); a provider that
+    # meets no kept failure keeps its note.
+    import collections
+
+    from flexcore.kernels import hopper
+    monkeypatch.setattr(hopper, "_unsupported", {"failed kernel": "RuntimeError: boom"})
+    monkeypatch.setattr(hopper, "_declined", collections.Counter())
+    for p in (_TurnedAway("turned_away"), PerturbedProvider("steady")):
         monkeypatch.setitem(prov.PROVIDERS, p.name, p)
-    grid = small_grid(providers=("falls_back", "steady"), passes=("fwd",), variants=[CAUSAL])
-    with pytest.warns(KernelFallbackWarning, match="boom"):
-        rows = _rows(runner.run(grid, tmp_path / "r", progress=False, log=lambda m: None))
-    for metric in ("setup_s", "compile_s"):
-        (row,) = _by(rows, provider="falls_back", metric=metric)
-        assert row["note"] == "perturbed; flexcore: the Gluon masked forward failed to build or launch (boom)"
-        (row,) = _by(rows, provider="steady", metric=metric)
-        assert row["note"] == "perturbed"
-    assert _by(rows, provider="falls_back", metric="out_correct")[0]["value"] == 1
+    grid = small_grid(providers=("turned_away", "steady"), passes=("fwd",), variants=[CAUSAL, ALIBI])
+    rows = _rows(runner.run(grid, tmp_path / "r", progress=False, log=lambda m: None))
+    cases = {r["case_id"] for r in rows}
+    assert len(cases) == 2
+    for case in cases:
+        for metric in ("setup_s", "compile_s"):
+            (row,) = _by(rows, case_id=case, provider="turned_away", metric=metric)
+            assert row["note"] == "perturbed; Gluon kernel not used (RuntimeError: boom): the Triton template's times"
+            (row,) = _by(rows, case_id=case, provider="steady", metric=metric)
+            assert row["note"] == "perturbed"
+        assert _by(rows, case_id=case, provider="turned_away", metric="out_correct")[0]["value"] == 1
 
 
 def test_rounds_interleave_the_providers_and_pool_their_repetitions(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 its outputs and gradients against the float64 reference (GPU tests marked `gpu`)."""
 from __future__ import annotations
 
+import collections
 import warnings
 
 import pytest
@@ -107,28 +108,65 @@ def test_a_first_launch_that_fails_leaves_the_kernel_to_the_template(monkeypatch
     assert list(hopper.fallbacks()) == ["a"]
 
 
-def test_fallback_reason_finds_a_kernel_by_its_key_s_prefix(monkeypatch):
-    monkeypatch.setattr(hopper, "_unsupported", {("forward_hopper.py.tmpl", "src", torch.bfloat16, 128): "boom",
-                                                 ("dense", torch.float16, 64): "bang"})
-    assert hopper.fallback_reason(("forward_hopper.py.tmpl", "src")) == "boom"
-    assert hopper.fallback_reason(("dense", torch.float16, 64)) == "bang"
-    assert hopper.fallback_reason(("forward_hopper.py.tmpl", "other")) is None
-    assert hopper.fallback_reason(("dense", torch.bfloat16, 64)) is None
+def test_kept_reasons_are_found_by_exact_key_and_count_the_calls_they_turn_away(monkeypatch):
+    from flexcore.lowering import lower_mask_mod
+    monkeypatch.setattr(hopper, "_unsupported", {})
+    monkeypatch.setattr(hopper, "_declined", collections.Counter())
+    mask = lower_mask_mod(lambda b, h, qi, ki: ki <= qi)
+    failed = hopper.masked_forward_key(mask, torch.bfloat16, 128)
+    hopper._unsupported[failed] = "boom"
+    assert hopper.kept_reason(failed) == "boom"
+    # another dtype, head dim or sinks is another kernel
+    for other in (hopper.masked_forward_key(mask, torch.float16, 128), hopper.masked_forward_key(mask, torch.bfloat16, 64),
+                  hopper.masked_forward_key(mask, torch.bfloat16, 128, sinks=True),
+                  hopper.module_key("forward_hopper.py.tmpl", mask), hopper.dense_key(torch.bfloat16, 128)):
+        assert hopper.kept_reason(other) is None and not hopper._turned_away(other)
+    assert hopper._turned_away(failed) and hopper._turned_away(failed)
+    assert hopper.fallback_counts() == {failed: 2}
+
+
+def test_a_compile_error_s_reason_is_its_message_and_an_error_filter_keeps_nothing(monkeypatch):
+    # triton's CompilationError text starts with the source location; its message is kept apart.
+    # Where the warning is made an error, every first launch raises and nothing is remembered.
+    monkeypatch.setattr(hopper, "_unsupported", {})
+    monkeypatch.setattr(hopper, "_compiled", set())
+
+    class CompilationError(Exception):
+        error_message = "unsupported op: gl.frobnicate"
+
+    def failing():
+        raise CompilationError("at 66:19:\n    x = gl.frobnicate(y)\n        ^\nunsupported op: gl.frobnicate")
+
+    with pytest.warns(KernelFallbackWarning):
+        assert hopper._launch_once("a", failing) is False
+    assert hopper.fallbacks() == {"a": "CompilationError: unsupported op: gl.frobnicate"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KernelFallbackWarning)
+        for _ in range(2):
+            with pytest.raises(KernelFallbackWarning):
+                hopper._launch_once("b", failing)
+    assert "b" not in hopper.fallbacks()
 
 
 def test_out_of_memory_on_a_first_launch_is_raised_not_remembered(monkeypatch):
-    # The template would fail alike; taking it for every later call would hide the error.
+    # Out of memory or a device error: the template would fail alike; taking it for every later
+    # call would hide the error.
     monkeypatch.setattr(hopper, "_unsupported", {})
     monkeypatch.setattr(hopper, "_compiled", set())
 
     def out_of_memory():
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
+    def device_error():  # as triton's launcher reports one
+        raise RuntimeError("Triton Error [CUDA]: an illegal memory access was encountered")
+
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(torch.cuda.OutOfMemoryError):
             hopper._launch_once("a", out_of_memory)
-    assert hopper.fallbacks() == {} and "a" not in hopper._compiled
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            hopper._launch_once("b", device_error)
+    assert hopper.fallbacks() == {} and not hopper._compiled
 
 
 def test_a_mask_mod_s_lowering_helpers_come_in_gluon_form(monkeypatch):
@@ -206,7 +244,7 @@ def test_gluon_forward_grid_and_tiles(monkeypatch, D, dense, L, programs, num_wg
     q = torch.zeros(2, 3, L, D, dtype=torch.bfloat16)
     monkeypatch.setattr(hopper, "_prepare", lambda q, k, v: ("result", (None,) * 6, (0,) * 6))
     monkeypatch.setattr(hopper, "_compiled", set())
-    monkeypatch.setattr(hopper, "_unsupported", set())
+    monkeypatch.setattr(hopper, "_unsupported", {})
     if dense:
         monkeypatch.setattr(hopper, "dense_module", lambda: Module())
         assert hopper.forward(q, q, q, 0.1) == "result"
@@ -550,8 +588,7 @@ def test_masked_rows_without_keys(monkeypatch, case, D):
     q, k, v = (torch.randn(2, 2, n, D, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
     bm = create_block_mask(mask, None, None, L, S, device="cuda")
     out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=opts)
-    if case != "no_full_blocks":  # its % lowers to a helper that Gluon may not take (then: template)
-        assert calls == [True]
+    assert calls == [True]  # no_full_blocks' % too: its helper comes in Gluon form
     assert_matches_reference(q, k, v, None, bm, out, lse, f"hopper masked {case} D={D}")
 
 
@@ -681,8 +718,9 @@ def test_a_failed_first_launch_runs_the_template_and_explain_says_why(monkeypatc
     q, k, v = (torch.randn(1, 2, N, D, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
     bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, N, N, device="cuda")
     opts = {"policy": DEFAULT_POLICY.replace(gluon={"masked_min_flops": 0})}
-    with pytest.warns(KernelFallbackWarning, match="simulated"):
+    with pytest.warns(KernelFallbackWarning, match="simulated") as caught:
         _check_grads(q, k, v, bm, "failed first launch", kernel_options=opts)
+    assert [w.category for w in caught].count(KernelFallbackWarning) == 2  # the forward's, the backward's
     with warnings.catch_warnings():
         warnings.simplefilter("error", KernelFallbackWarning)
         out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=opts)
@@ -754,8 +792,7 @@ def test_backward_rows_without_keys(monkeypatch, case):
     q, k, v = (torch.randn(2, 2, n, 128, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
     bm = create_block_mask(mask, None, None, L, S, device="cuda")
     _check_grads(q, k, v, bm, f"hopper bwd {case}", scale=0.3 if case == "scale" else None, kernel_options=opts)
-    if case != "no_full_blocks":  # its % lowers to a helper that Gluon may not take (then: template)
-        assert calls == [True]
+    assert calls == [True]  # no_full_blocks' % too: its helper comes in Gluon form
 
 
 @pytest.mark.gpu
@@ -840,23 +877,16 @@ def test_backward_is_the_templates_bit_for_bit(monkeypatch, mask):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("case", ["score_mod", "d64", "ragged", "mask_helper"])
+@pytest.mark.parametrize("case", ["score_mod", "d64", "ragged"])
 def test_backward_falls_back_to_the_template(monkeypatch, case):
-    # A score_mod, head dim 64 and lengths that are not multiples of 128 take the template; so does
-    # a mask_mod whose Gluon source does not build (floor division lowers to a helper), after one
-    # failed first launch. Every case matches the reference.
+    # A score_mod, head dim 64 and lengths that are not multiples of 128 take the template. Every
+    # case matches the reference.
     calls = _spy_backward(monkeypatch)
     L = S = 1000 if case == "ragged" else 1024
     D = 64 if case == "d64" else 128
     gen = torch.Generator().manual_seed(seed_of("hopper-bwd-fallback", case))
     q, k, v = (torch.randn(1, 2, n, D, generator=gen).to("cuda", torch.bfloat16) for n in (L, S, S))
-    if case == "mask_helper":
-        def mask(b, h, qi, ki):
-            return (qi // 256) == (ki // 256)
-    else:
-        def mask(b, h, qi, ki):
-            return ki <= qi
-    bm = create_block_mask(mask, None, None, L, S, device="cuda")
+    bm = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, L, S, device="cuda")
     if case == "score_mod":
         inputs = [t.requires_grad_() for t in (q, k, v)]
         out = flex_attention(*inputs, score_mod=lambda s, b, h, qi, ki: s * 0.5, block_mask=bm)
@@ -864,9 +894,7 @@ def test_backward_falls_back_to_the_template(monkeypatch, case):
         assert all(torch.isfinite(t.grad).all() for t in inputs)
     else:
         _check_grads(q, k, v, bm, f"hopper bwd fallback {case}")
-    assert calls in ([], [False], [True]), calls
-    if case in ("score_mod", "d64", "ragged"):
-        assert calls == []
+    assert calls == [], calls
 
 
 # --- lse gradients, +inf scores and the output's stride order on the Gluon kernels ---
