@@ -105,8 +105,8 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
         # the template serves the call (explain has no sinks).
         failed = None
         if gluon is not None:
-            failed = hopper.kept_reason(hopper.dense_key(q.dtype, D) if gluon[0] == "dense"
-                                        else hopper.masked_forward_key(mask_lowered, q.dtype, D))
+            failed = (hopper.dense_reason(q.dtype, D) if gluon[0] == "dense"
+                      else hopper.kept_reason(hopper.masked_forward_key(mask_lowered, q.dtype, D)))
             if failed is not None:
                 gluon = None
         elif not dense and hopper.applies_masked(q, k, v, score_lowered, blocks, dense, scale, opts):
@@ -240,11 +240,11 @@ def _gluon_refusal(q, k, v, policy, dense: bool, small: bool, backward: bool = F
     value = getattr(policy.gluon, rule)
     if value == "off":
         return _switch("gluon", rule, value)
+    if failed is not None:  # set only where the other rules would take them
+        return f"they failed to build or launch earlier in this process, or cannot take this mask_mod ({failed})"
     if small:
         return (f"a masked call of {dense_flops(q, k, v):.3g} dense-equivalent FLOPs, under "
                 f"policy.gluon.masked_min_flops={policy.gluon.masked_min_flops:g}")
-    if failed is not None:
-        return f"they failed to build or launch earlier in this process, or cannot take this mask_mod ({failed})"
     dims = "128" if backward else "64 or 128 (FP8: 128)"
     return ("the call is not one they serve (see flexcore.kernels.hopper: identity score_mod, 16-bit or "
             f"FP8, head dim {dims}, lengths multiple of 128, rows long enough)")

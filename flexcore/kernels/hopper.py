@@ -99,8 +99,9 @@ DENSE_TILES = types.MappingProxyType({128: GluonTiles(2, NUM_STAGES, WG_REGS, MA
 MASKED_TILES = DENSE_TILES
 # FP8 (head dim 128): K and V tiles take half the shared memory of 16-bit ones (148 KB at 3 slots).
 FP8_TILES = types.MappingProxyType({128: GluonTiles(2, NUM_STAGES, WG_REGS, MAX_REGS)})
-# Two warpgroups only: FP8 over union lists (three) gave wrong results (docs/decisions.md#fp8-forward).
-assert all(tiles.num_wg == 2 for tiles in FP8_TILES.values())
+# Two warpgroups only, in its launch and in the masked tables it reads: FP8 over union lists
+# (three) gave wrong results (docs/decisions.md#fp8-forward).
+assert all(FP8_TILES[d].num_wg == 2 and MASKED_TILES[d].num_wg == 2 for d in FP8_HEAD_DIMS)
 _LOG2E = 1.4426950408889634
 
 
@@ -251,8 +252,9 @@ def fallbacks() -> dict:
 
 
 def fallback_counts() -> dict:
-    """How many calls each key of :func:`fallbacks` has turned to the template so far (the failing
-    one included): a caller compares two snapshots to learn which reasons applied between them."""
+    """How many calls each key of :func:`fallbacks` has turned to the template so far on the
+    dispatch path (the failing one included; calls replayed from a kept plan are not counted): a
+    caller compares two snapshots to learn which reasons applied between them."""
     return dict(_declined)
 
 
@@ -264,6 +266,12 @@ def kept_reason(key) -> str | None:
 
 def dense_key(dtype: torch.dtype, head_dim: int, sinks: bool = False) -> tuple:
     return ("dense", dtype, head_dim) + (("sinks",) if sinks else ())
+
+
+def dense_reason(dtype: torch.dtype, head_dim: int, sinks: bool = False) -> str | None:
+    """The reason kept for the dense forward's launch, or for its module, or None."""
+    return kept_reason(dense_key(dtype, head_dim, sinks)) or kept_reason(
+        module_key("forward_hopper.py.tmpl", _noop_lowered()))
 
 
 def masked_forward_key(mask_lowered, dtype: torch.dtype, head_dim: int, sinks: bool = False) -> tuple:
@@ -285,10 +293,15 @@ def _turned_away(key) -> bool:
 
 
 def _reason(error: BaseException) -> str:
-    # triton's CompilationError starts with the source location and lines; its message is kept apart.
-    message = getattr(error, "error_message", None) or next(
-        (line for line in str(error).strip().splitlines() if line.strip()), "")
-    return f"{type(error).__name__}: {str(message).strip()[:300]}"
+    """One line: the innermost cause's message. triton's CompilationError wraps the error of a
+    called function in one whose text is a source location and lines, its message last."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    compile_error = hasattr(error, "error_message")
+    lines = [line.strip() for line in str((error.error_message if compile_error else None) or error).splitlines()
+             if line.strip()]
+    line = (lines[-1] if compile_error else lines[0]) if lines else ""
+    return f"{type(error).__name__}: {line[:300]}"
 
 
 def _not_a_build_failure(error: BaseException) -> bool:
@@ -414,7 +427,7 @@ def _mask_module(template: str, mask_lowered):
     helpers, missing = _helpers_for(mask_lowered.source)
     if missing is not None:  # a known limit, not a failure: no warning
         _unsupported[key] = (f"the mask_mod calls {missing} (a Triton helper of the lowering), which has "
-                             f"no Gluon form (libdevice or inline PTX)")
+                             f"no Gluon form (libdevice, inline PTX, or an interpreter or GPU variant)")
         _declined[key] += 1
         return None
 

@@ -137,15 +137,42 @@ def test_a_compile_error_s_reason_is_its_message_and_an_error_filter_keeps_nothi
     def failing():
         raise CompilationError("at 66:19:\n    x = gl.frobnicate(y)\n        ^\nunsupported op: gl.frobnicate")
 
+    def nested():  # as triton wraps an error inside a called jit function: no message of its own
+        try:
+            try:
+                raise NameError("name 'fl_x' is not defined\nsecond line")
+            except NameError as inner:
+                raise CompilationError("at 3:4:\n    fl_x(a)") from inner
+        except CompilationError as middle:
+            outer = CompilationError("at 45:16:\n    _attend(...)")
+            outer.error_message = None
+            raise outer from middle
+
     with pytest.warns(KernelFallbackWarning):
         assert hopper._launch_once("a", failing) is False
-    assert hopper.fallbacks() == {"a": "CompilationError: unsupported op: gl.frobnicate"}
+        assert hopper._launch_once("c", nested) is False
+    assert hopper.fallbacks() == {"a": "CompilationError: unsupported op: gl.frobnicate",
+                                  "c": "NameError: name 'fl_x' is not defined"}
     with warnings.catch_warnings():
         warnings.simplefilter("error", KernelFallbackWarning)
         for _ in range(2):
             with pytest.raises(KernelFallbackWarning):
                 hopper._launch_once("b", failing)
     assert "b" not in hopper.fallbacks()
+
+
+def test_explain_gives_a_kept_failure_before_the_size_rule():
+    # A reason is kept only for a kernel the other rules would take, so it comes first; the size
+    # rule's text is for calls the Gluon kernels would serve but for their size.
+    from flexcore.explain import _gluon_refusal
+    from flexcore.kernels.policy import DEFAULT_POLICY as policy
+    q = torch.zeros(1, 1, 256, 128, dtype=torch.bfloat16)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(q.__class__, "is_cuda", property(lambda self: True))
+        patch.setattr("flexcore._runtime.use_interpreter", lambda: False)
+        said = _gluon_refusal(q, q, q, policy, False, True, failed="RuntimeError: boom")
+        assert "boom" in said and "masked_min_flops" not in said
+        assert "masked_min_flops" in _gluon_refusal(q, q, q, policy, False, True)
 
 
 def test_out_of_memory_on_a_first_launch_is_raised_not_remembered(monkeypatch):
@@ -175,6 +202,7 @@ def test_a_mask_mod_s_lowering_helpers_come_in_gluon_form(monkeypatch):
     # one (libdevice's) leaves the mask to the template, quietly: a known limit, not a failure.
     from flexcore.lowering import lower_mask_mod
     monkeypatch.setattr(hopper, "_unsupported", {})
+    monkeypatch.setattr(hopper, "_declined", collections.Counter())
 
     def chunked(b, h, qi, ki):
         return (qi // 96 >= ki // 96) & ((ki - qi) % 7 != 3)
