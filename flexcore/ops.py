@@ -385,7 +385,7 @@ def register_call(score, mask, dtype: torch.dtype, device_type: str, kernel_opti
                          f"{device_type}. Move the inputs with .cuda(), or use flexcore.reference")
     kernel_options = _rebuilt(kernel_options)
     if isinstance(kernel_options, tuple):  # a dict's items
-        kernel_options = {k: _rebuilt(v) for k, v in kernel_options}
+        kernel_options = dict(kernel_options)
     opts = KernelOptions.from_any(kernel_options)
     score_grads = () if score is None else tuple(i for i, (_, _, grad) in enumerate(score[1]) if grad)
     text = repr((_describe(score), _describe(mask), str(dtype), opts, want_max))
@@ -427,8 +427,11 @@ def _plain_value(value):
 
 
 def _rebuilt(value):
+    """Undoes :func:`_plain` (and :func:`_plain_value`), tuples included."""
     if isinstance(value, tuple) and len(value) == 3 and value[0] == _DATACLASS:
         return value[1](**{name: _rebuilt(v) for name, v in value[2]})
+    if isinstance(value, tuple):
+        return tuple(_rebuilt(v) for v in value)
     return value
 
 

@@ -313,6 +313,20 @@ def test_a_mask_built_inside_a_compiled_function():
                       fullgraph=True, backend="aot_eager")(q[0, 0])
 
 
+def test_kernel_options_come_back_from_their_plain_form_unchanged():
+    # What Dynamo passes to register_call as a constant, and back: dataclasses at any depth,
+    # inside dicts and tuples, and tuples of plain values.
+    from flexcore import KernelOptions
+    from flexcore.kernels.policy import DispatchPolicy
+
+    policy = DispatchPolicy().replace(forward={"refine": "off"})
+    for options in (None, {"BLOCK_M": 16, "policy": policy}, KernelOptions(BLOCK_N=32, policy=policy),
+                    {"pair": (policy, 3), "dims": (64, 128)}):
+        plain = ops._plain(options)
+        back = ops._rebuilt(plain)
+        assert (dict(back) if isinstance(options, dict) else back) == options, options
+
+
 @pytest.mark.parametrize("form", ["options", "dict"])
 def test_kernel_options_holding_a_policy(form):
     """kernel_options holding a DispatchPolicy (nested frozen dataclasses), as a KernelOptions or
