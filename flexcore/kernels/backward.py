@@ -440,7 +440,7 @@ def _hopper_backward(q, k, v, out, row_stats, grad_out, score_lowered, score_bwd
     sums_slot = row_terms.shape[0] - 1 if exact_delta else 0
     launches = hopper.BackwardLaunches(module, kv_blocks, q_blocks, dense, scale, sums_slot)
     grads = hopper.backward(q, k, v, grad_out, row_terms[1], row_terms[0], launches, caps,
-                            ("backward_hopper.py.tmpl", mask_lowered.source, dense, q.dtype, sums_slot),
+                            hopper.backward_key(mask_lowered, dense, q.dtype, sums_slot),
                             opts.dispatch.launch)
     if grads is None:
         return None

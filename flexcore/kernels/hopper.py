@@ -278,10 +278,22 @@ def masked_forward_key(mask_lowered, dtype: torch.dtype, head_dim: int, sinks: b
     return ("forward_hopper.py.tmpl", mask_lowered.source, dtype, head_dim, sinks)
 
 
+def backward_key(mask_lowered, dense: bool, dtype: torch.dtype, row_sums: int) -> tuple:
+    """The backward kernels' key (each launch adds its kernel's name); it starts with the
+    backward module's :func:`module_key`, under which a failed launch is kept too."""
+    return module_key("backward_hopper.py.tmpl", mask_lowered) + (dense, dtype, row_sums)
+
+
 def module_key(template: str, mask_lowered) -> tuple:
     """The key of a Gluon template's module for a mask_mod; a failed backward launch is kept here
     too, so that the mask's later backwards skip the module."""
     return (template, mask_lowered.source)
+
+
+def _keep(key, reason: str) -> None:
+    """Keep ``key`` in :func:`fallbacks` with its reason, counting the call it turned away."""
+    _unsupported[key] = reason
+    _declined[key] += 1
 
 
 def _turned_away(key) -> bool:
@@ -304,6 +316,9 @@ def _reason(error: BaseException) -> str:
     return f"{type(error).__name__}: {line[:300]}"
 
 
+_ACCELERATOR_ERRORS = tuple(filter(None, [getattr(torch, "AcceleratorError", None)]))
+
+
 def _not_a_build_failure(error: BaseException) -> bool:
     # Out of memory, or a device error (torch's, or the one triton's launcher raises): the template
     # would fail alike, and taking it for every later call would hide the error.
@@ -311,9 +326,6 @@ def _not_a_build_failure(error: BaseException) -> bool:
         return True
     text = str(error)
     return "Triton Error [CUDA]" in text or "CUDA error" in text
-
-
-_ACCELERATOR_ERRORS = tuple(filter(None, [getattr(torch, "AcceleratorError", None)]))
 
 
 def _fall_back(key, what: str, error: BaseException) -> None:
@@ -324,8 +336,7 @@ def _fall_back(key, what: str, error: BaseException) -> None:
     warnings.warn(f"flexcore: the Gluon {what} failed to build or launch ({reason}); the Triton template "
                   f"serves this call and the calls like it in this process (same results, the "
                   f"template's speed)", KernelFallbackWarning, stacklevel=3)
-    _unsupported[key] = reason
-    _declined[key] += 1
+    _keep(key, reason)
 
 
 def _launch_once(key, launch, what: str = "kernel") -> bool:
@@ -426,9 +437,8 @@ def _mask_module(template: str, mask_lowered):
         return None
     helpers, missing = _helpers_for(mask_lowered.source)
     if missing is not None:  # a known limit, not a failure: no warning
-        _unsupported[key] = (f"the mask_mod calls {missing} (a Triton helper of the lowering), which has "
-                             f"no Gluon form (libdevice, inline PTX, or an interpreter or GPU variant)")
-        _declined[key] += 1
+        _keep(key, f"the mask_mod calls {missing} (a Triton helper of the lowering), which has no Gluon "
+                   f"form (libdevice, inline PTX, or an interpreter or GPU variant)")
         return None
 
     def build():
@@ -752,6 +762,6 @@ def backward(q, k, v, grad_out, lse2, delta, launches: BackwardLaunches, caps: t
     for name, (kernel, grid, args, kwargs) in zip(("dkdv", "dq"), kernels):
         if not _launch_once(key + (name,), functools.partial(run, kernel, grid, args, kwargs, policy),
                             f"backward {name} kernel"):
-            _unsupported[key[:2]] = _unsupported[key + (name,)]
+            _unsupported[key[:2]] = _unsupported[key + (name,)]  # the module's key (backward_key)
             return None
     return grads
