@@ -116,8 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int)
     r.add_argument("--cuda-graphs", help="passes timed by replaying CUDA graphs: comma-separated passes, "
                    "'all' or 'none' (default: decode)")
-    r.add_argument("--no-pin-host", action="store_true",
-                   help="time on the GPU without putting the process's threads on one core (docs/decisions.md#host-pinning)")
+    pin = r.add_mutually_exclusive_group()
+    pin.add_argument("--pin-host", dest="pin_host", action="store_const", const=True,
+                     help="time on the GPU with the process's threads on one core: less host time and "
+                          "spread than a training loop sees (docs/decisions.md#host-pinning)")
+    pin.add_argument("--no-pin-host", dest="pin_host", action="store_const", const=False,
+                     help="time unpinned, the way a training loop runs (the default)")
     r.add_argument("--no-progress", action="store_true", help="log one line per case instead of a bar")
     r.add_argument("--keep-going", action="store_true",
                    help="exit 0 even when correctness checks failed (the results still mark them)")
@@ -170,7 +174,7 @@ def _run(args) -> int:
     settings = {k: v for k, v in (("max_minutes", args.max_minutes), ("rep_ms", args.rep_ms),
                                   ("ref_slices", args.ref_slices), ("mask_budget_gb", args.mask_budget_gb),
                                   ("seed", args.seed), ("cuda_graphs", args.cuda_graphs),
-                                  ("pin_host", False if args.no_pin_host else None)) if v is not None}
+                                  ("pin_host", args.pin_host)) if v is not None}
     if args.config:
         config = grid_mod.load_config(args.config)
         name = Path(args.config).stem if args.config not in grid_mod.PRESETS else args.config

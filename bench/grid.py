@@ -122,8 +122,9 @@ class Settings:
     #: short enough that eager timing measures the host's launch work as much as the GPU's.
     cuda_graphs: str = "decode"
     #: on the GPU, time with the process's threads on one core (bench.timing.pinned_host): the host's
-    #: time per call halves and spreads less (docs/decisions.md#host-pinning)
-    pin_host: bool = True
+    #: time per call halves and spreads less (docs/decisions.md#host-pinning). Off by default: the
+    #: headline is what a training loop, whose threads are not pinned, pays.
+    pin_host: bool = False
     #: time a case's providers in this many interleaved rounds (each with its warm-up and a share of
     #: rep_ms, min_reps and max_reps; the repetitions pooled), so that a drift of the host or the
     #: GPU's clocks during the case falls on every provider alike; 1: each provider at once. Not
@@ -286,8 +287,10 @@ _ANCHOR_DECODE = {
 def _anchors(head_dims: list[int]) -> dict:
     return {
         "providers": ANCHOR_PROVIDERS,
+        # Three interleaved rounds: a slowdown of the host or GPU within one timing window (one
+        # process in eight showed one) is outvoted by the other two rounds' repetitions.
         "settings": {"warmup_ms": 25, "rep_ms": 100, "min_reps": 10, "max_reps": 100,
-                     "ref_slices": 1},
+                     "ref_slices": 1, "rounds": 3},
         "groups": [
             {"variants": ANCHOR_VARIANTS, "shapes": [[4, 4096], [1, 16384]], "heads": [16],
              "head_dim": head_dims, "dtype": ["bfloat16"], "passes": ["fwd", "fwd_bwd"]},

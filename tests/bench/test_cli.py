@@ -45,7 +45,9 @@ class _Stop(Exception):
     """Raised by a stand-in runner once it has seen the grid."""
 
 
-def test_no_pin_host_reaches_the_settings(monkeypatch, tmp_path):
+def test_pin_host_flags_reach_the_settings(monkeypatch, tmp_path):
+    """Unpinned unless --pin-host (the headline is what a training loop pays); the two flags
+    exclude each other."""
     import pytest
 
     from bench import runner
@@ -56,13 +58,22 @@ def test_no_pin_host_reaches_the_settings(monkeypatch, tmp_path):
         raise _Stop
 
     monkeypatch.setattr(runner, "run", fake_run)
-    with pytest.raises(_Stop):
-        main(["run", "--config", "tiny", "--no-pin-host", "--out", str(tmp_path / "p")])
-    assert seen["settings"].pin_host is False
-    seen.clear()
-    with pytest.raises(_Stop):
-        main(["run", "--config", "tiny", "--out", str(tmp_path / "q")])
-    assert seen["settings"].pin_host is True
+    for flags, pinned in (([], False), (["--no-pin-host"], False), (["--pin-host"], True)):
+        seen.clear()
+        with pytest.raises(_Stop):
+            main(["run", "--config", "tiny", *flags, "--out", str(tmp_path / str(len(flags)) / str(pinned))])
+        assert seen["settings"].pin_host is pinned, flags
+    with pytest.raises(SystemExit):
+        main(["run", "--config", "tiny", "--pin-host", "--no-pin-host", "--out", str(tmp_path / "x")])
+
+
+def test_anchors_time_their_providers_in_interleaved_rounds():
+    from bench.grid import PRESETS, Settings
+
+    assert Settings().pin_host is False
+    for name in ("anchors", "anchors-d64"):
+        assert PRESETS[name]["settings"]["rounds"] == 3
+        assert "pin_host" not in PRESETS[name]["settings"]  # the default: unpinned
 
 
 def test_variant_list_splits_outside_parentheses():
