@@ -10,12 +10,14 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import numbers
 import warnings
 import weakref
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from flexcore import ops
 from flexcore._runtime import capturing, prepare_triton, use_interpreter
@@ -67,18 +69,33 @@ def ready() -> None:
 def check_call(query, key, value, score_mod, block_mask, scale, enable_gqa) -> None:
     """Raise InputError naming the argument when the inputs cannot be attended by the kernels
     (the checks that read shapes, dtypes and devices only, which torch.compile traces too)."""
+    if not isinstance(enable_gqa, bool):  # "no" would read as True
+        raise InputError(f"enable_gqa must be True or False, got {enable_gqa!r}")
     check_qkv(query, key, value, enable_gqa)
     D, Dv = query.shape[-1], value.shape[-1]
     if max(D, Dv) > 256:
         raise InputError(f"head dims up to 256 are supported; got D={D}, Dv={Dv}")
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise InputError(f"scale must be a float or None, got {type(scale).__name__}")
+    if scale is not None:
+        check_scale(scale)
     if score_mod is not None and not callable(score_mod):
         raise InputError(f"score_mod must be callable (score, b, h, q_idx, kv_idx) -> score, "
                          f"got {type(score_mod).__name__}")
     if block_mask is not None:
         check_block_mask(block_mask, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
                          query.device)
+
+
+def check_scale(scale) -> None:
+    """InputError unless ``scale`` is a finite real number (a Python or NumPy float or int, not a
+    bool): NaN or infinity would make every output NaN."""
+    if isinstance(scale, (torch.SymFloat, torch.SymInt)):
+        return  # symbolic under torch.compile: its value is not known here
+    if isinstance(scale, (bool, torch.Tensor)) or not isinstance(scale, numbers.Real):
+        hint = " (pass a Python float, e.g. scale.item())" if isinstance(scale, torch.Tensor) else ""
+        raise InputError(f"scale must be a finite real number (a float) or None, got "
+                         f"{type(scale).__name__}{hint}")
+    if not math.isfinite(float(scale)):
+        raise InputError(f"scale must be a finite real number (a float) or None, got {scale}")
 
 
 def validate_inputs(query, key, value, block_mask, scale, enable_gqa) -> None:
@@ -328,6 +345,7 @@ class _FlexAttention(torch.autograd.Function):
         return out, lse, max_scores
 
     @staticmethod
+    @once_differentiable  # the kernels' gradients have no gradient: a double backward raises
     def backward(ctx, grad_out, grad_lse, _grad_max):
         n_captured = len(ctx.score_lowered.captured)
         if grad_out is None and grad_lse is None:
@@ -428,8 +446,8 @@ def _prepared(query, key, value, block_mask, scale, enable_gqa, kernel_options, 
                  query.device, key.device, value.device, _mask_state(block_mask), scale,
                  enable_gqa, _options_key(kernel_options), want_max)
         call = _calls.get(ident)
-    except TypeError:  # an unhashable argument (an odd scale or options): nothing to reuse
-        ident = call = None
+    except (TypeError, AttributeError):  # an unhashable argument (an odd scale or options) or
+        ident = call = None                # not a tensor (validate_inputs says which): no reuse
     if call is not None:
         mask = call.mask_ref()
         if mask is not None and (block_mask is None or mask is block_mask):
@@ -541,6 +559,8 @@ def _requested(return_lse, return_aux) -> tuple[bool, bool]:
     """(lse, max_scores) requested, with torch's rules: return_aux=AuxRequest(...) replaces the
     deprecated return_lse, and the two cannot be combined."""
     global _warned_return_lse
+    if not isinstance(return_lse, bool):  # "yes" would read as True
+        raise InputError(f"return_lse must be True or False, got {return_lse!r}")
     if return_aux is None:
         if return_lse and not _warned_return_lse and not torch.compiler.is_compiling():
             _warned_return_lse = True

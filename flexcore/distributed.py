@@ -135,6 +135,22 @@ def _shard_unit(world: int, sharding: str) -> int:
     return 2 * world if sharding == "zigzag" else world
 
 
+def _check_rank(rank, world, what: str) -> None:
+    """ContextParallelError unless world is a positive int and rank an int in [0, world)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ContextParallelError(f"{what}: world_size={world!r}; expected a positive int")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ContextParallelError(f"{what}: rank={rank!r}; expected an int in [0, {world})")
+
+
+def _check_dim(x: Tensor, dim, what: str) -> int:
+    """``dim`` as a non-negative axis of ``x``, or ContextParallelError naming it."""
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ContextParallelError(f"{what}: dim={dim!r} is not an axis of x of shape "
+                                   f"{tuple(x.shape)}; expected an int in [{-x.dim()}, {x.dim()})")
+    return dim % x.dim()
+
+
 def _check_length(S: int, world: int, sharding: str, what: str, arg: str) -> None:
     unit = _shard_unit(world, sharding)
     if S % unit:
@@ -158,9 +174,8 @@ def shard_positions(seq_len: int, world_size: int, rank: int, sharding: str = "z
         tensor([0, 1, 6, 7])
     """
     _check_sharding(sharding, "shard_positions")
+    _check_rank(rank, world_size, "shard_positions")
     _check_length(seq_len, world_size, sharding, "shard_positions", "seq_len")
-    if not 0 <= rank < world_size:
-        raise ContextParallelError(f"shard_positions: rank={rank} outside [0, {world_size})")
     n = len(_chunks(world_size, 0, sharding))
     size = seq_len // (world_size * n)
     return torch.cat([torch.arange(c * size, (c + 1) * size, device=device)
@@ -171,7 +186,8 @@ def _rank_world(group, rank, world_size, what: str) -> tuple[int, int]:
     if rank is not None or world_size is not None:
         if rank is None or world_size is None:
             raise ContextParallelError(f"{what}: give both rank and world_size, or neither (group)")
-        return int(rank), int(world_size)
+        _check_rank(rank, world_size, what)
+        return rank, world_size
     import torch.distributed as dist
 
     group = _resolve_group(group, what)
@@ -194,6 +210,7 @@ def shard_sequence(x: Tensor, group=None, dim: int = 2, sharding: str = "zigzag"
     """
     r, w = _rank_world(group, rank, world_size, "shard_sequence")
     _check_sharding(sharding, "shard_sequence")
+    dim = _check_dim(x, dim, "shard_sequence")
     _check_length(x.shape[dim], w, sharding, "shard_sequence", f"x.shape[{dim}]")
     pieces = x.chunk(_shard_unit(w, sharding), dim=dim)
     return torch.cat([pieces[c] for c in _chunks(w, r, sharding)], dim=dim).contiguous()
@@ -208,6 +225,7 @@ def unshard_sequence(x: Tensor, group=None, dim: int = 2, sharding: str = "zigza
 
     group = _resolve_group(group, "unshard_sequence")
     _check_sharding(sharding, "unshard_sequence")
+    dim = _check_dim(x, dim, "unshard_sequence")
     w = dist.get_world_size(group)
     parts = [torch.empty_like(x) for _ in range(w)]
     dist.all_gather(parts, x.contiguous(), group=group)

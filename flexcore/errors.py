@@ -10,8 +10,10 @@ class FlexError(Exception):
     """Base class of flexcore's own errors."""
 
 
-class ModError(FlexError):
-    """A score_mod or mask_mod cannot be lowered.
+class ModError(FlexError, RuntimeError):
+    """A score_mod or mask_mod cannot be lowered. A RuntimeError, as torch raises for a mod it
+    cannot trace; a mod with the wrong signature is also a TypeError, an index out of range
+    also an IndexError.
 
     Attributes:
         mod_name: ``__name__`` of the user's function.
@@ -65,7 +67,7 @@ class ControlFlowError(ModError):
     """The mod branches in Python on a tensor value (``if q_idx > 5:``)."""
 
 
-class ModSignatureError(ModError):
+class ModSignatureError(ModError, TypeError):
     """The mod takes the wrong number of arguments."""
 
 

@@ -229,8 +229,13 @@ def nested_flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: 
                 f"and {kv_total} keys; build it with create_nested_block_mask(mask_mod, 1, H, "
                 f"query, key)")
         built_for = getattr(block_mask, "_nested_offsets", None)
-        if built_for is not None and not (_same_structure(built_for[0], q_offsets)
-                                          and _same_structure(built_for[1], kv_offsets)):
+        if built_for is None:  # a mask of the stacked lengths would let sequences attend each other
+            raise InputError(
+                "block_mask was not built by create_nested_block_mask: over nested inputs it must "
+                "keep each sequence to its own keys. Build it with create_nested_block_mask("
+                "mask_mod, 1, H, query, key), which writes the mask_mod for one sequence and masks "
+                "out the others, or pass block_mask=None")
+        if not (_same_structure(built_for[0], q_offsets) and _same_structure(built_for[1], kv_offsets)):
             raise InputError("block_mask was built by create_nested_block_mask for nested tensors "
                              "of other sequence lengths (other offsets); build it for these inputs")
     if score_mod is not None:

@@ -34,8 +34,9 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from flexcore.errors import InputError, ModError
+from flexcore.errors import ControlFlowError, InputError, ModError
 from flexcore.lowering.indexcheck import decided_without_evaluation
+from flexcore.lowering.trace import _CONTROL_FLOW
 
 __all__ = ["record", "register_call", "compiled_flex_attention", "flex_attention_forward",
            "flex_attention_backward", "flex_attention_sink_backward"]
@@ -88,6 +89,7 @@ class _Recorder(TorchFunctionMode):
     def __init__(self, inputs: list):
         super().__init__()
         self.inputs = inputs
+        self.refused: str | None = None  # the first Python use of a tensor's value (_CONTROL_FLOW)
         self.results: list = []   # (tensor, its reference)
         self.captured: list = []
         self.ints: list = []
@@ -123,6 +125,15 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _CONTROL_FLOW:
+            # As the eager lowering, refused; raised where the program is lowered (in the op, at
+            # the first run), since an error raised while Dynamo traces would reach the user as
+            # Dynamo's own. The trace goes on with a Python zero (a symbolic value would fail
+            # in Dynamo first).
+            self.refused = self.refused or _CONTROL_FLOW[func]
+            zero = _PYTHON_ZEROS.get(func)
+            if zero is not None:
+                return zero(args[0]) if callable(zero) else zero
         getitem = func is Tensor.__getitem__ and len(args) == 2
         index = _index_list(args[0], args[1]) if getitem else None
         out = torch.ops.aten.index(args[0], index) if index is not None else func(*args, **kwargs)
@@ -141,11 +152,17 @@ class _Recorder(TorchFunctionMode):
         return out
 
 
+# What a refused Python use of a tensor's value gives the rest of a recording.
+_PYTHON_ZEROS = {Tensor.__bool__: False, Tensor.__int__: 0, Tensor.__index__: 0, Tensor.__float__: 0.0,
+                 Tensor.item: lambda t: False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0}
+
+
 class Recorded(NamedTuple):
     """A recorded mod: ``constants`` = (program, meta, name) are Python constants (what
     register_call receives), the rest are the values the mod read (op inputs).
 
-    ``program`` is (steps, output reference); ``meta`` holds (dtype, shape, gets a gradient) per
+    ``program`` is (steps, output reference), plus what the mod did that the lowering refuses
+    (a tensor's value used in Python, :data:`flexcore.lowering.trace._CONTROL_FLOW`); ``meta`` holds (dtype, shape, gets a gradient) per
     captured tensor; ``name`` is the mod's ``__name__``.
     """
 
@@ -164,6 +181,8 @@ def record(mod, kind: str, score_dtype: torch.dtype, device: torch.device) -> Re
     with recorder:
         out = mod(*inputs)
     program = (tuple(recorder.steps), recorder.ref(out))
+    if recorder.refused is not None:
+        program += (recorder.refused,)
     if torch.compiler.is_compiling():
         # The lowering reads captured shapes (index wrapping, per-element indexing): they are
         # specialised, with guards, under dynamic shapes too.
@@ -198,7 +217,7 @@ def replay(program, name: str, captured, ints=(), floats=()):
     """The mod a program was recorded from, as a function of its arguments, reading ``captured``
     (in the program's order) where the mod read its tensors and ``ints``/``floats`` where it
     read numbers."""
-    steps, out = program
+    steps, out = program[:2]
     values = {"cap": captured, "int": ints, "float": floats}
 
     def replayed(*inputs):
@@ -307,8 +326,13 @@ def _without_lines():
     try:
         yield
     except ModError as error:
-        raise type(error)(f"{error.message} (in a call compiled by torch.compile; call it eagerly "
-                          f"to see the line)", mod_name=error.mod_name, op=error.op) from None
+        extra = {name: getattr(error, name) for name in _INDEX_ERROR_FIELDS if hasattr(error, name)}
+        message = error.message.split("\n", 1)[0]  # a quoted source line would be the replay's
+        raise type(error)(f"{message} (in a call compiled by torch.compile; call it eagerly "
+                          f"to see the line)", mod_name=error.mod_name, op=error.op, **extra) from None
+
+
+_INDEX_ERROR_FIELDS = ("tensor", "size", "dim", "expression", "position", "value")
 
 
 def _score_dtype_of(dtype: torch.dtype) -> torch.dtype:
@@ -335,6 +359,12 @@ def _lower(kind: str, recorded, ints, floats, score_dtype: torch.dtype, fast_mat
         lowered = lower_score_mod(None) if kind == "score" else lower_mask_mod(None)
         return lowered, (), None
     program, meta, name = recorded
+    if len(program) > 2:
+        raise ControlFlowError(
+            f"{program[2]} needs the tensor's value, which is unknown while the mod is lowered to a "
+            "kernel. Use tensor operations instead: torch.where(cond, a, b) for branches (combine "
+            "conditions with &, |, ~ instead of and/or/not) and torch.* functions instead of "
+            "math.*.", mod_name=name)
     stand_ins = _stand_ins(meta)
     fn = replay(program, name, stand_ins, ints, floats)
     if kind == "score":
@@ -540,8 +570,9 @@ def _prepare(call, tables, block, score_caps, mask_caps, numbers, query, key):
         spec, _, _, score, mask = entry.result
         from flexcore import attention
 
-        attention.check_indices(score, mask, query.shape[0], query.shape[1], query.shape[2],
-                                key.shape[2], spec.opts)
+        with _without_lines():
+            attention.check_indices(score, mask, query.shape[0], query.shape[1], query.shape[2],
+                                    key.shape[2], spec.opts)
     return entry.result
 
 
@@ -555,8 +586,9 @@ def _prepare_new(call, tables, block, score_caps, mask_caps, numbers, query, key
     lowered = spec.lowered(numbers)
     block_mask = block_mask_of(spec, lowered, tables, block, mask_caps, numbers, query, key)
     score, mask = spec.bind(lowered, score_caps, mask_caps)
-    attention.check_indices(score, mask, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
-                            spec.opts)
+    with _without_lines():
+        attention.check_indices(score, mask, query.shape[0], query.shape[1], query.shape[2],
+                                key.shape[2], spec.opts)
     # Checks that read captured values run at every call (the interpreter, check_indices=True);
     # the rest depend only on what the key fixes, so they are done.
     checked = not (use_interpreter() or spec.opts.check_indices)
@@ -834,7 +866,8 @@ def flex_attention_forward_inline(
         return torch.ops.flexcore.flex_attention_forward.default(*args)
     spec, _, score, mask, grid = found
     B, Hq = grid[:2]
-    attention.check_indices(score, mask, *grid, spec.opts)
+    with _without_lines():
+        attention.check_indices(score, mask, *grid, spec.opts)
     blocks = None if kv_num_blocks is None else BlockTensors.broadcast(
         kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, tuple(block[:2]))
     if key.shape[0] != B:  # a shared (batch 1) cache is read through stride-0 views

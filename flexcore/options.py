@@ -93,8 +93,14 @@ class KernelOptions:
                 raise InputError(f"kernel_options[{name!r}] = {value!r}: expected a power of two >= 16")
         for name in ("num_warps", "num_stages"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise InputError(f"kernel_options[{name!r}] = {value!r}: expected a positive int")
+        # Switches are bools: a string such as "false" would otherwise read as True.
+        for name in ("autotune", "allow_tf32", "deterministic", "check_indices", "decode"):
+            value = getattr(self, name)
+            if not isinstance(value, bool) and not (name == "decode" and value is None):
+                raise InputError(f"kernel_options[{name!r}] = {value!r}: expected True or False"
+                                 + (" (or None: chosen by the query length)" if name == "decode" else ""))
 
     @functools.cached_property
     def dispatch(self) -> DispatchPolicy:

@@ -42,6 +42,10 @@ class LoweredMod:
             None where none was found, in ``captured`` order.
         fast_math: lowered with the GPU's approximate transcendentals (16-bit inputs); the
             backward lowers the mod's gradient the same way (see ``flexcore.lowering.vjp``).
+        graph_captured: the tensors ``graph`` reads, in ``captured`` order: ``captured`` itself
+            as lowered. A lowering bound to other tensors of the same shapes (``captured``
+            replaced, as flexcore.ops does under torch.compile) keeps them, so that index checks
+            read the call's tensors where the graph reads these.
     """
 
     kind: str
@@ -55,6 +59,7 @@ class LoweredMod:
     graph: object = field(default=None, repr=False)
     cap_names: tuple = ()
     fast_math: bool = False
+    graph_captured: tuple = field(default=(), repr=False)
 
     def kernel_args(self) -> list:
         """``[t0, *t0.stride(), t1, *t1.stride(), ...]``, matching ``cap_params``."""
@@ -70,7 +75,7 @@ def _make(kind: str, source: str, cap_params, captured, trivial: bool, name: str
     fn_name = "score_mod_fn" if kind == "score" else "mask_mod_fn"
     key = hashlib.sha256(source.encode()).hexdigest()[:16]
     return LoweredMod(kind, fn_name, source, tuple(cap_params), tuple(captured), key, trivial, name,
-                      graph, tuple(cap_names), fast_math)
+                      graph, tuple(cap_names), fast_math, graph_captured=tuple(captured))
 
 
 _TRIVIAL = {

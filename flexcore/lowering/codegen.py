@@ -454,11 +454,20 @@ class ModCodegen(ShapeOps):
         return self._finish_op(f"{self.cast(b, compute)} - {ea}", compute, out,
                                self._deps(a, b))
 
+    def _int_divisor(self, node, b, compute) -> None:
+        """ModError on an integer division by a constant zero: torch raises ZeroDivisionError
+        there, and a kernel would give an arbitrary value."""
+        if not compute.is_floating_point and b.const is not None and b.const == 0:
+            raise self._error(ModError, f"integer division by zero in {node.target} (torch raises "
+                              "ZeroDivisionError here); divide by a nonzero value", node=node)
+
     def _op_div(self, node):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         mode = node.kwargs.get("rounding_mode")
         out = self._out_dtype(node)
         compute = opmath(out)
+        if mode is not None:
+            self._int_divisor(node, b, compute)
         ea, eb = self.cast(a, compute), self.cast(b, compute)
         deps = self._deps(a, b)
         if mode is None:
@@ -475,6 +484,7 @@ class ModCodegen(ShapeOps):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
         compute = opmath(out)
+        self._int_divisor(node, b, compute)
         fn = "fl_div_floor_float" if compute.is_floating_point else "fl_div_floor_int"
         return self._finish_op(f"{fn}({self.cast(a, compute)}, {self.cast(b, compute)})", compute,
                                out, self._deps(a, b), a.nonneg and b.nonneg)
@@ -483,6 +493,7 @@ class ModCodegen(ShapeOps):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
         compute = opmath(out)
+        self._int_divisor(node, b, compute)
         fn = "fl_remainder_float" if compute.is_floating_point else "fl_remainder_int"
         return self._finish_op(f"{fn}({self.cast(a, compute)}, {self.cast(b, compute)})", compute,
                                out, self._deps(a, b), b.nonneg)
@@ -491,6 +502,7 @@ class ModCodegen(ShapeOps):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
         compute = opmath(out)
+        self._int_divisor(node, b, compute)
         ea, eb = self.cast(a, compute), self.cast(b, compute)
         if compute.is_floating_point:
             expr = f"{ea} % {eb}"

@@ -20,6 +20,7 @@ which the error names with the tensor, its size, the index expression and the us
 """
 from __future__ import annotations
 
+import contextlib
 import linecache
 import math
 import threading
@@ -252,11 +253,19 @@ def _needed(sites) -> set:
     return need
 
 
-def _evaluator(gm: GraphModule, sites, device: torch.device):
-    """``fn(b, h, q_idx, kv_idx) -> (in range, index) per site`` at one position (vmapped).
+def _bound_tensors(lowered) -> dict:
+    """``id(graph's tensor) -> call's tensor`` where a lowering was bound to other tensors than
+    its graph reads (LoweredMod.graph_captured): the checks read the call's values."""
+    return {id(g): t for g, t in zip(lowered.graph_captured, lowered.captured) if g is not t}
+
+
+def _evaluator(gm: GraphModule, sites, device: torch.device, bound: dict | None = None):
+    """``fn(b, h, q_idx, kv_idx) -> (in range, index) per site`` at one position (vmapped),
+    reading ``bound``'s tensor in place of a graph tensor it names (:func:`_bound_tensors`).
 
     Every index a needed node takes is clamped into range first, so no read goes out of bounds
     even where an earlier index was wrong."""
+    bound = bound or {}
     need = _needed(sites)
     bounds: dict[Node, list] = {}
     for node in gm.graph.nodes:
@@ -289,7 +298,8 @@ def _evaluator(gm: GraphModule, sites, device: torch.device):
             if node.op == "placeholder":
                 continue
             if node.op == "get_attr":
-                env[node] = getattr(gm, node.target)
+                t = getattr(gm, node.target)
+                env[node] = bound.get(id(t), t)
                 continue
             args = list(val(node.args))
             kwargs = {k: val(v) for k, v in node.kwargs.items()}
@@ -327,15 +337,40 @@ def _grid_positions(dims, sizes, start, stop, device):
     return out
 
 
-def _evaluate(gm: GraphModule, sites, sizes: dict, device) -> tuple[int, dict, int] | None:
-    """Evaluate ``sites`` at every position of the grid over their dimensions; None when every
-    index is in range, else (site number, position, index value) of the first offending one."""
+# functorch's dispatch keys, which a custom op's kernel runs without (flexcore.ops under
+# torch.compile) and torch.vmap needs.
+_FUNCTORCH_KEYS = tuple(getattr(torch._C.DispatchKey, name) for name in (
+    "FuncTorchDynamicLayerFrontMode", "FuncTorchDynamicLayerBackMode", "FuncTorchBatched",
+    "FuncTorchVmapMode", "BatchedNestedTensor", "FuncTorchGradWrapper")
+    if hasattr(torch._C.DispatchKey, name))
+
+
+@contextlib.contextmanager
+def _vmap_dispatch():
+    """functorch's keys taken off the dispatcher's thread-local exclude set while inside: a
+    custom op's kernel excludes them, and vmap then fails (``NYI: querying is_contiguous inside
+    of vmap``)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    if not any(exclude.has(k) for k in _FUNCTORCH_KEYS):
+        yield
+        return
+    for k in _FUNCTORCH_KEYS:
+        exclude = exclude.remove(k)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        yield
+
+
+def _evaluate(lowered, sites, sizes: dict) -> tuple[int, dict, int] | None:
+    """Evaluate ``sites`` of ``lowered``'s graph, on the tensors it is bound to, at every
+    position of the grid over their dimensions; None when every index is in range, else (site
+    number, position, index value) of the first offending one."""
+    device = _device(lowered)
     dims = [d for d in _GRID if any(d in s.deps for s in sites)]
     total = math.prod(sizes[d] for d in dims)
-    fn = _evaluator(gm, sites, device)
+    fn = _evaluator(lowered.graph, sites, device, _bound_tensors(lowered))
     in_dims = tuple(0 if d in dims else None for d in _GRID)
     zero = torch.zeros((), dtype=torch.int32, device=device)
-    with torch.no_grad():
+    with torch.no_grad(), _vmap_dispatch():
         if not dims:
             oks, values = fn(zero, zero, zero, zero)
             for i, ok in enumerate(oks):
@@ -415,6 +450,9 @@ def _analysis(lowered, shape, tensor_range):
     B, H, L, S = shape
     inputs = {"b": Interval(0, B - 1), "h": Interval(0, H - 1), "q_idx": Interval(0, L - 1),
               "kv_idx": Interval(0, S - 1)}
+    bound = _bound_tensors(lowered)
+    if bound:  # the values of the call's tensors, not of those the graph was traced with
+        return IntervalAnalysis(lowered.graph, inputs, lambda t: tensor_range(bound.get(id(t), t)))
     return IntervalAnalysis(lowered.graph, inputs, tensor_range)
 
 
@@ -462,7 +500,7 @@ def _static_verdict(lowered, shape) -> tuple[_Static, bool]:
         if cost > STATIC_BUDGET:
             out.costly = todo
         else:
-            bad = _evaluate(lowered.graph, todo, sizes, _device(lowered))
+            bad = _evaluate(lowered, todo, sizes)
             if bad is None:
                 out.checked.extend(todo)
             else:
@@ -568,7 +606,7 @@ def _check_costly(lowered, static: _Static, shape) -> None:
 
     if capturing():
         return
-    bad = _evaluate(lowered.graph, static.costly, dict(zip(_GRID, shape)), _device(lowered))
+    bad = _evaluate(lowered, static.costly, dict(zip(_GRID, shape)))
     with _lock:
         if bad is None:
             static.checked = static.checked + static.costly
@@ -610,7 +648,7 @@ def _runtime_check(lowered, sites, shape) -> bool:
     analysis = _analysis(lowered, shape, _value_range)
     todo = [s for s in sites if not _in_range(analysis, s)]
     if todo:
-        bad = _evaluate(lowered.graph, todo, dict(zip(_GRID, shape)), _device(lowered))
+        bad = _evaluate(lowered, todo, dict(zip(_GRID, shape)))
         if bad is not None:
             i, position, value = bad
             raise _error(lowered, todo[i], position, value, shape)

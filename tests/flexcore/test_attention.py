@@ -125,7 +125,9 @@ def test_sliced_and_replaced_block_mask():
 
 @pytest.mark.parametrize("case", [
     "rank", "batch", "heads", "gqa_divisible", "dim", "kv_len", "dtype", "device", "mask_len",
-    "mask_heads", "option_key", "option_tile", "score_mod_type",
+    "mask_heads", "option_key", "option_tile", "score_mod_type", "key_type", "scale_nan",
+    "scale_inf", "scale_bool", "scale_tensor", "option_switch", "option_decode", "gqa_flag",
+    "lse_flag",
 ])
 def test_bad_input_names_the_argument(case):
     q = torch.randn(2, 4, 64, 32)
@@ -167,8 +169,47 @@ def test_bad_input_names_the_argument(case):
         kwargs["kernel_options"], match = {"BLOCK_M": 64}, "does not divide"
     elif case == "score_mod_type":
         kwargs["score_mod"], match = 3.0, "score_mod must be callable"
-    with pytest.raises((InputError, ValueError, TypeError), match=match):
+    elif case == "key_type":
+        k, match = [1.0], "key must be a torch.Tensor, got list"
+    elif case in ("scale_nan", "scale_inf"):  # every output would be NaN
+        kwargs["scale"], match = float(case[6:]), f"scale must be a finite real number.*got {case[6:]}"
+    elif case == "scale_bool":
+        kwargs["scale"], match = True, "scale must be a finite real number.*got bool"
+    elif case == "scale_tensor":
+        kwargs["scale"], match = torch.tensor(0.5), r"got Tensor \(pass a Python float"
+    elif case == "option_switch":  # the string "false" would read as True
+        kwargs["kernel_options"], match = {"allow_tf32": "false"}, r"allow_tf32'\] = 'false': expected True or False"
+    elif case == "option_decode":
+        kwargs["kernel_options"], match = {"decode": 1}, r"decode'\] = 1: expected True or False \(or None"
+    elif case == "gqa_flag":
+        kwargs["enable_gqa"], match = "no", "enable_gqa must be True or False, got 'no'"
+    elif case == "lse_flag":
+        kwargs["return_lse"], match = "yes", "return_lse must be True or False, got 'yes'"
+    with pytest.raises(InputError, match=match):
         flex_attention(q, k, v, **kwargs)
+
+
+def test_scale_takes_any_real_number():
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(seed_of("scale types"))
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=gen) for _ in range(3))
+    want = flex_attention(q, k, v, scale=0.25)
+    torch.testing.assert_close(flex_attention(q, k, v, scale=np.float32(0.25)), want, rtol=0, atol=0)
+    torch.testing.assert_close(flex_attention(q, k, v, scale=np.float64(0.25)), want, rtol=0, atol=0)
+    gold = flex_attention_reference(q, k, v, scale=2)
+    assert rel_err(flex_attention(q, k, v, scale=2), gold) < 1e-5
+
+
+def test_a_second_derivative_is_refused():
+    """The kernels' gradients are not differentiable again: a double backward (a gradient
+    penalty) raises instead of leaving the penalty's gradient out."""
+    gen = torch.Generator().manual_seed(seed_of("double backward"))
+    q, k, v = (torch.randn(1, 2, 64, 32, generator=gen, requires_grad=True) for _ in range(3))
+    out = flex_attention(q, k, v)
+    grad_q, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (out.sum() + grad_q.pow(2).sum()).backward()
 
 
 def test_negative_scale():

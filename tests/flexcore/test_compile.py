@@ -393,6 +393,58 @@ def test_unsupported_mod_fails_with_its_name():
         compiled(q, k, v)
 
 
+@pytest.mark.parametrize("case", ["read_from_values", "static", "in_range"])
+def test_compiled_index_checks_read_the_calls_tensors(case):
+    """The compiled call checks its indices on the call's own captured tensors (the lowering
+    traced stand-ins of them), with eager's ModIndexError, also where the check evaluates the
+    index over the grid inside the op's kernel; an index in range runs and matches float64."""
+    from flexcore.errors import ModIndexError
+
+    torch._dynamo.reset()
+    q, k, v = qkv(64, seed=13)
+    table = torch.randn(10)
+    picks = torch.tensor([0, 3]) if case == "in_range" else torch.tensor([0, 100])
+
+    def by_head(score, b, h, q_idx, kv_idx):
+        return score * table[picks[h]]
+
+    def by_query(score, b, h, q_idx, kv_idx):  # 64 queries into 10 entries
+        return score + table[q_idx]
+
+    mod = by_query if case == "static" else by_head
+    compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=mod), fullgraph=True,
+                             backend="aot_eager")
+    if case == "in_range":
+        with torch.no_grad():
+            got, eager = compiled(q, k, v), flex_attention(q, k, v, score_mod=mod)
+        torch.testing.assert_close(got, eager, rtol=0, atol=0)
+        gold = flex_attention_reference(q, k, v, score_mod=mod)
+        torch.testing.assert_close(got, gold.float(), rtol=1e-4, atol=1e-5)
+        return
+    with pytest.raises(ModIndexError, match=r"index out of range.*size 10.*torch\.compile"):
+        compiled(q, k, v)
+    with pytest.raises(ModIndexError, match=r"index out of range.*size 10"):  # eager says the same
+        flex_attention(q, k, v, score_mod=mod)
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+def test_compiled_mod_reading_a_value_in_python_fails_as_eager(fullgraph):
+    """.item() on an index in a mod under torch.compile: eager's ControlFlowError, not the
+    value the recording saw (0) kept as a constant."""
+    from flexcore.errors import ControlFlowError
+
+    torch._dynamo.reset()
+    q, k, v = qkv(64, seed=14)
+
+    def by_item(score, b, h, q_idx, kv_idx):
+        return score * (kv_idx.item() + 1)
+
+    compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=by_item),
+                             fullgraph=fullgraph, backend="aot_eager")
+    with pytest.raises(ControlFlowError, match=r"in by_item.*tensor.item\(\)"):
+        compiled(q, k, v)
+
+
 # -- the ops themselves --------------------------------------------------------------------------
 
 def registered_call(L=64, seed=12, kernel_options=None):

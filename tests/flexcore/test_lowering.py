@@ -543,6 +543,40 @@ def test_bad_return_values():
         lower_score_mod(lambda score, b, h, q_idx, kv_idx: score + table[h])
 
 
+@pytest.mark.parametrize("op", ["floor_divide", "remainder", "div_floor", "div_trunc", "fmod"])
+def test_integer_division_by_a_constant_zero(op):
+    """torch raises ZeroDivisionError for an integer division by zero; the lowering names the
+    mod and its line instead of letting the kernel compute an arbitrary value."""
+    divide = {"floor_divide": lambda x: x // 0, "remainder": lambda x: x % 0,
+              "div_floor": lambda x: torch.div(x, 0, rounding_mode="floor"),
+              "div_trunc": lambda x: torch.div(x, 0, rounding_mode="trunc"),
+              "fmod": lambda x: torch.fmod(x, 0)}[op]
+
+    def by_zero(score, b, h, q_idx, kv_idx):
+        return score + divide(q_idx)  # MARK-zerodiv
+
+    with pytest.raises(ModError, match="integer division by zero") as info:
+        lower_score_mod(by_zero)
+    assert info.value.mod_name == "by_zero"
+    # Dividing by a nonzero constant, or a float by zero (inf, as in torch), lowers.
+    lower_score_mod(lambda score, b, h, q_idx, kv_idx: score + q_idx // 3)
+    lower_score_mod(lambda score, b, h, q_idx, kv_idx: score + q_idx / 0.0)
+
+
+def test_mod_errors_are_the_exceptions_torch_raises():
+    """A mod torch cannot trace raises RuntimeError there; a wrong signature TypeError; an index
+    out of range IndexError: flexcore's errors are those too, for code that catches torch's."""
+    with pytest.raises(RuntimeError):
+        lower_score_mod(lambda score, b, h, q_idx, kv_idx: score * (q_idx.item() + 1))
+    with pytest.raises(TypeError):
+        lower_score_mod(lambda score, b, h: score)
+    with pytest.raises(ModSignatureError):
+        lower_score_mod(lambda score, b, h: score)
+    table = _rand(H, KV_LEN)
+    with pytest.raises(IndexError):
+        lower_mask_mod(lambda b, h, q_idx, kv_idx: table[H, kv_idx] > 0)
+
+
 def test_constant_index_out_of_range():
     table = _rand(H, KV_LEN)
 

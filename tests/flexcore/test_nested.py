@@ -224,6 +224,9 @@ def test_nested_errors_name_the_problem():
     wrong = create_nested_block_mask(windowed_causal, 1, None, attention_layout(other_lengths))
     with pytest.raises(InputError, match="other sequence lengths"):
         nested_flex_attention(q, q, q, block_mask=wrong)
+    stacked = create_block_mask(windowed_causal, 1, None, 121, 121, device="cpu")  # not per sequence
+    with pytest.raises(InputError, match="not built by create_nested_block_mask"):
+        nested_flex_attention(q, q, q, block_mask=stacked)
     short = create_block_mask(windowed_causal, 1, None, 100, 100, device="cpu")
     with pytest.raises(InputError, match=r"lengths \(100, 100\) but the nested inputs stack 121"):
         nested_flex_attention(q, q, q, block_mask=short)
