@@ -652,6 +652,10 @@ def flex_attention_forward(query, key, value, kv_num_blocks, kv_indices, full_kv
     spec, _, block_mask, score, mask = _prepare(call, tables, block, score_captured, mask_captured,
                                                 numbers, query, key)
     B, Hq = query.shape[:2]
+    if sinks is not None and sinks.device.type == "cpu":  # free here, as in an eager call
+        from flexcore.sinks import check_finite_sinks
+
+        check_finite_sinks(sinks)
     in_kernel = sinks is not None and attention.sinks_in_kernel(query, spec.opts)
     out, lse, row_stats, max_scores = attention.forward_kernels(
         query, key, value, score, mask, attention.kv_blocks(block_mask, B, Hq), scale, spec.opts,

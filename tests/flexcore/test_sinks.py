@@ -721,6 +721,18 @@ def test_bad_sinks_are_refused_naming_them(sinks, words):
             flex_attention_reference(q, k, v, sinks=sinks)
 
 
+def test_non_finite_sinks_are_refused_under_torch_compile_on_the_cpu():
+    """The compiled call checks CPU sinks in its op, as an eager call does (the check reads
+    values, which the traced function cannot)."""
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(1, 2, 16, 16) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v, s: flex_attention(q, k, v, sinks=s), fullgraph=True,
+                             backend="aot_eager")
+    compiled(q, k, v, torch.zeros(2))
+    with pytest.raises(InputError, match="non-finite"):
+        compiled(q, k, v, torch.tensor([0.0, math.nan]))
+
+
 def test_sinks_are_keyword_only_and_refused_with_nested_tensors():
     q, k, v = (torch.randn(1, 2, 16, 16) for _ in range(3))
     with pytest.raises(TypeError):
