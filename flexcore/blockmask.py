@@ -180,6 +180,11 @@ def _describe_args(args: tuple[Tensor, ...], names: tuple[str, ...]) -> str:
                      for n, a in zip(names, args))
 
 
+# torch's messages for a Python scalar taken from a tensor of several elements (or under vmap).
+_SCALAR_ERRORS = ("cannot be converted to Scalar", "only one element tensors can be converted",
+                  "calling .item()")
+
+
 def call_mod(fn, args: tuple[Tensor, ...], kind: str) -> Tensor:
     """Call a user's mod, turning its failures into errors that name the mod and its line."""
     names = ("b", "h", "q_idx", "kv_idx")
@@ -198,6 +203,12 @@ def call_mod(fn, args: tuple[Tensor, ...], kind: str) -> Tensor:
             raise ControlFlowError(
                 "branches in Python on a tensor value (`if`, `and`, `or`, `not` on an index). "
                 "Mods are evaluated on whole index tensors: use torch.where(cond, a, b), `&`, `|`, `~`.",
+                mod_name=name, filename=filename, lineno=lineno) from exc
+        if any(text in str(exc) for text in _SCALAR_ERRORS):
+            raise ControlFlowError(
+                "a tensor's value taken into Python (.item(), int(), float()). Mods are evaluated "
+                "on whole index tensors: compute with tensor operations (torch.where for "
+                "branches, torch.* functions instead of math.*).",
                 mod_name=name, filename=filename, lineno=lineno) from exc
         device = args[-1].device
         raise ModError(
@@ -1259,6 +1270,9 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
     Q_LEN, KV_LEN = _positive_int(Q_LEN, "Q_LEN"), _positive_int(KV_LEN, "KV_LEN")
     block_size = _block_size_pair(BLOCK_SIZE)
     device = resolve_device(device)
+    if device.type == "meta":
+        raise InputError("device='meta': a BlockMask's tables hold the mask's block counts and "
+                         "indices, which a meta tensor has not; build it on 'cpu' or 'cuda'")
     _check_mod_indices(mask_mod, "mask", B, H, Q_LEN, KV_LEN)
     block_map = None
     if device.type == "cuda":

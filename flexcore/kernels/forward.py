@@ -37,7 +37,11 @@ def scale_args(scale: float, dtype: torch.dtype) -> tuple:
     scaled = scale * _LOG2E
     if dtype != torch.float64:
         return scale, scaled
-    return tuple(struct.unpack("<q", struct.pack("<d", x))[0] for x in (scale, scaled))
+    # The int 1 (the bits of 5e-324) would reach the kernel as a constant of triton's
+    # specialisation, not an integer: the next subnormal, 1e-323, stands in (every score
+    # underflows with either).
+    return tuple(bits if bits != 1 else 2
+                 for bits in (struct.unpack("<q", struct.pack("<d", x))[0] for x in (scale, scaled)))
 
 
 @functools.lru_cache(maxsize=256)

@@ -76,6 +76,14 @@ def _plan(fn, kind: str) -> str:
     return plan
 
 
+class _NotATensor(Exception):
+    """A mod returned something that is neither a tensor nor a Python number (under vmap)."""
+
+    def __init__(self, value):
+        super().__init__(type(value).__name__)
+        self.value = value
+
+
 def _vmapped(fn, args: tuple, device):
     """``fn`` under one vmap per grid dimension that some argument spans (torch's
     _vmap_for_bhqkv, for any broadcast pattern); returns a tensor of the broadcast shape."""
@@ -85,7 +93,11 @@ def _vmapped(fn, args: tuple, device):
 
     def per_element(*xs):
         out = fn(*xs)
-        return out if isinstance(out, torch.Tensor) else torch.as_tensor(out, device=device)
+        if isinstance(out, torch.Tensor):
+            return out
+        if not isinstance(out, (bool, int, float)):  # the callers name the mod and what it returned
+            raise _NotATensor(out)
+        return torch.as_tensor(out, device=device)
 
     f = per_element
     for d in reversed(dims):
@@ -117,6 +129,8 @@ def call_per_element(fn, args: tuple, kind: str):
         return fn(*args)
     try:
         return _vmapped(fn, args, args[-1].device)
+    except _NotATensor as e:
+        return e.value  # the callers' return checks name it
     except Exception as e:  # noqa: BLE001 - vmap's own limits fall back to one broadcast call
         if "vmap" not in str(e) and not isinstance(e, NotImplementedError):
             raise

@@ -519,6 +519,21 @@ def test_errors_inside_mods_name_the_line():
     with pytest.raises(ControlFlowError, match="torch.where"):
         create_block_mask(branches, None, None, 32, 32, device="cpu")
 
+    def takes_a_value(b, h, q_idx, kv_idx):
+        return q_idx.item() > 3  # MARK-item
+
+    def returns_nothing(b, h, q_idx, kv_idx):
+        q_idx >= kv_idx  # noqa: B015 - the missing return is the test
+
+    # As the lowering says for a score_mod: the value taken into Python, the missing return.
+    with pytest.raises(ControlFlowError, match=r"value taken into Python \(.item\(\)") as info:
+        create_block_mask(takes_a_value, None, None, 32, 32, device="cpu")
+    assert info.value.lineno == takes_a_value.__code__.co_firstlineno + 1
+    with pytest.raises(ModReturnError, match="bool tensor.*returned NoneType"):
+        create_block_mask(returns_nothing, None, None, 32, 32, device="cpu")
+    with pytest.raises(InputError, match="device='meta'.*build it on 'cpu' or 'cuda'"):
+        create_block_mask(branches, None, None, 32, 32, device="meta")
+
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(Q_LEN=0), "Q_LEN must be a positive int"),

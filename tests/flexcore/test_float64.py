@@ -38,6 +38,11 @@ CASES = [
     ("softcap", Shape("sq64", B=2, Hq=2, Hkv=2, L=64, S=64, D=16, Dv=16, block=32), None),
     ("document", Shape("gqa", B=1, Hq=4, Hkv=2, L=64, S=64, D=16, Dv=16, block=32), None),
     ("causal", Shape("decode4", B=2, Hq=4, Hkv=2, L=4, S=80, D=16, Dv=16, block=32), None),
+    # Scales whose float64 bits are small integers (0.0, the least subnormal): the kernels take
+    # the bits as an int, which triton types as int32 (or specialises, for 1).
+    ("noop", Shape("sq64", B=2, Hq=2, Hkv=2, L=64, S=64, D=16, Dv=16, block=32), 0.0),
+    ("alibi", Shape("ragged", B=1, Hq=2, Hkv=2, L=50, S=70, D=16, Dv=8, block=32), -0.0),
+    ("causal", Shape("sq64", B=2, Hq=2, Hkv=2, L=64, S=64, D=16, Dv=16, block=32), 5e-324),
 ]
 
 

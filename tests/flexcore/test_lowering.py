@@ -577,6 +577,13 @@ def test_mod_errors_are_the_exceptions_torch_raises():
         lower_mask_mod(lambda b, h, q_idx, kv_idx: table[H, kv_idx] > 0)
 
 
+def test_a_captured_meta_tensor_is_named():
+    on_meta = torch.empty(H, device="meta")
+    with pytest.raises(ModError, match=r"captured tensor of shape \(2,\) is a meta tensor|"
+                                       r"captured tensor of shape \(\d+,\) is a meta tensor"):
+        lower_score_mod(lambda score, b, h, q_idx, kv_idx: score + on_meta[h])
+
+
 def test_constant_index_out_of_range():
     table = _rand(H, KV_LEN)
 
