@@ -300,6 +300,7 @@ class PagedAttention:
             >>> bm = create_block_mask(paged.get_mask_mod(causal), B, None, 1, n_pages * page_size,
             ...                        BLOCK_SIZE=page_size)
         """
+        _check_wrapped(mask_mod, kv_len, "get_mask_mod", "mask_mod", "(b, h, q_idx, kv_idx) -> bool")
         return self._wrap_mask(mask_mod, kv_len, self._batch_rows(batch_idx, "get_mask_mod"))
 
     def _wrap_mask(self, mask_mod, kv_len, rows) -> MaskMod:
@@ -332,6 +333,8 @@ class PagedAttention:
             score_mod: ``(score, b, h, q_idx, kv_idx) -> score`` in logical positions, or None.
             kv_len, batch_idx: as in :meth:`get_mask_mod`.
         """
+        _check_wrapped(score_mod, kv_len, "get_score_mod", "score_mod",
+                       "(score, b, h, q_idx, kv_idx) -> score")
         rows = self._batch_rows(batch_idx, "get_score_mod")
         if score_mod is None and kv_len is None:
             def paged_identity(score, b, h, q_idx, kv_idx):
@@ -438,3 +441,17 @@ class PagedAttention:
                                             mask_mod, seq_lengths=lengths, compute_q_blocks=False)
         physical._add_guards((self._guard(rows.tolist()),))
         return physical
+
+
+def _check_wrapped(mod, kv_len, what: str, name: str, signature: str) -> None:
+    """InputError naming the argument unless ``mod`` is None or callable and ``kv_len`` None or
+    an integer tensor: the wrapper would otherwise fail later, under its own name."""
+    if mod is not None and not callable(mod):
+        raise InputError(f"{what}: {name} must be None or a callable {signature}; got "
+                         f"{type(mod).__name__}")
+    if kv_len is not None and (not isinstance(kv_len, Tensor) or kv_len.is_floating_point()
+                               or kv_len.dtype == torch.bool or kv_len.dim() != 1):
+        got = (f"{kv_len.dtype} tensor of shape {tuple(kv_len.shape)}" if isinstance(kv_len, Tensor)
+               else type(kv_len).__name__)
+        raise InputError(f"{what}: kv_len must be None or a (B,) integer tensor of valid lengths; "
+                         f"got {got}")

@@ -162,6 +162,13 @@ def test_convert_errors_name_the_batch():
         paged.convert_logical_block_mask(bm, batch_idx=torch.tensor([0, 1, 2]))
     with pytest.raises(InputError, match=r"kv_len must be a \(2,\) int tensor"):
         paged.convert_logical_block_mask(bm, kv_len=torch.tensor([3]))
+    # The wrappers check what they wrap (else the wrapped call fails later, under their name).
+    with pytest.raises(InputError, match="get_mask_mod: mask_mod must be None or a callable"):
+        paged.get_mask_mod(5)
+    with pytest.raises(InputError, match="get_score_mod: score_mod must be None or a callable"):
+        paged.get_score_mod("x")
+    with pytest.raises(InputError, match=r"get_mask_mod: kv_len must be None or a \(B,\) integer tensor"):
+        paged.get_mask_mod(None, kv_len=[5, 6])
 
 
 def test_physical_mask_from_get_mask_mod():
