@@ -17,13 +17,12 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from flexcore import ops
 from flexcore._runtime import capturing, prepare_triton, use_interpreter
 from flexcore._types import ScoreMod
 from flexcore._validate import check_block_mask, check_qkv
-from flexcore.errors import InputError
+from flexcore.errors import InputError, ModError
 from flexcore.fp8 import FP8_DTYPE, check_fp8_inputs, fp8_options, key_major
 from flexcore.interop import coerce_block_mask
 from flexcore.options import KernelOptions
@@ -94,7 +93,14 @@ def check_scale(scale) -> None:
         hint = " (pass a Python float, e.g. scale.item())" if isinstance(scale, torch.Tensor) else ""
         raise InputError(f"scale must be a finite real number (a float) or None, got "
                          f"{type(scale).__name__}{hint}")
-    if not math.isfinite(float(scale)):
+    # Under torch.compile the value may be symbolic: flexcore's ops check it (check_scale_value).
+    if not torch.compiler.is_compiling():
+        check_scale_value(float(scale))
+
+
+def check_scale_value(scale: float) -> None:
+    """InputError unless the (Python float) scale is finite."""
+    if not math.isfinite(scale):
         raise InputError(f"scale must be a finite real number (a float) or None, got {scale}")
 
 
@@ -312,6 +318,32 @@ def row_delta_kernels(query, key, value, out, row_stats, grad_out, grad_lse, sco
                                 mask_lowered, blocks, _q_blocks(block_mask, B, Hq), scale, opts, grad_lse)
 
 
+def _not_twice_differentiable(backward):
+    """torch's ``once_differentiable``, also where the incoming gradients do not require grad:
+    under ``create_graph`` every gradient the kernels return raises when it is differentiated (a
+    gradient penalty would otherwise lose its own gradient in silence: the kernels' gradients
+    have none)."""
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():  # no create_graph
+            return outputs
+        error = torch._C._functions.DelayedError(
+            b"flex_attention's gradients are not differentiable: a double backward (a gradient "
+            b"penalty, a Hessian-vector product) through flex_attention is not supported", len(outputs))
+
+        def differentiable(t):
+            if t is None:
+                return None
+            t = t.detach()
+            t.requires_grad = True
+            return t
+
+        return error(*(differentiable(t) for t in outputs))
+    return wrapper
+
+
 class _FlexAttention(torch.autograd.Function):
     """Forward (or decode) kernel; fused backward kernels, differentiating out and lse. Captured
     tensors of the score_mod are inputs of ``apply`` so that autograd routes their gradients.
@@ -345,7 +377,7 @@ class _FlexAttention(torch.autograd.Function):
         return out, lse, max_scores
 
     @staticmethod
-    @once_differentiable  # the kernels' gradients have no gradient: a double backward raises
+    @_not_twice_differentiable
     def backward(ctx, grad_out, grad_lse, _grad_max):
         n_captured = len(ctx.score_lowered.captured)
         if grad_out is None and grad_lse is None:
@@ -432,8 +464,8 @@ def _mask_state(block_mask):
 def _options_key(kernel_options):
     if kernel_options is None or isinstance(kernel_options, KernelOptions):
         return kernel_options
-    if isinstance(kernel_options, dict):  # by contents: a dict can change in place
-        return tuple(kernel_options.items())
+    if isinstance(kernel_options, dict):  # by contents (a dict can change in place) and types
+        return tuple((k, type(v), v) for k, v in kernel_options.items())
     return id(kernel_options)
 
 
@@ -442,9 +474,11 @@ def _prepared(query, key, value, block_mask, scale, enable_gqa, kernel_options, 
     earlier call had the same shapes, dtypes, devices, mask state, scale and options, else checked
     and prepared now; and the BlockMask the kernels read (the all-full one for None)."""
     try:
+        # Types too: 1 == True, and a call that the checks would refuse must not find one they
+        # passed.
         ident = (query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
-                 query.device, key.device, value.device, _mask_state(block_mask), scale,
-                 enable_gqa, _options_key(kernel_options), want_max)
+                 query.device, key.device, value.device, _mask_state(block_mask), scale, type(scale),
+                 enable_gqa, type(enable_gqa), _options_key(kernel_options), want_max)
         call = _calls.get(ident)
     except (TypeError, AttributeError):  # an unhashable argument (an odd scale or options) or
         ident = call = None                # not a tensor (validate_inputs says which): no reuse
@@ -490,6 +524,7 @@ def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     mask_lowered = _lowering.lower_mask_mod(block_mask.mask_mod)
     checked = call.checked
     if checked is None or checked[0] is not score_lowered or checked[1] is not mask_lowered:
+        _check_captured_values(score_lowered, mask_lowered)
         if check_indices(score_lowered, mask_lowered, call.B, call.Hq, query.shape[2], key.shape[2], call.opts):
             call.checked = (score_lowered, mask_lowered)
     blocks = call.blocks
@@ -518,6 +553,18 @@ def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     out, lse, _, max_scores = forward_kernels(query, key, value, score_lowered, mask_lowered,
                                               blocks, call.scale, call.opts, want_max, sinks=sinks)
     return out, lse, max_scores, applied
+
+
+def _check_captured_values(*lowered_mods) -> None:
+    """ModError naming a captured tensor that holds no values (a meta tensor): the kernels read
+    them. (The lowering itself traces meta tensors: flexcore.ops lowers on stand-ins.)"""
+    for lowered in lowered_mods:
+        for i, t in enumerate(lowered.captured):
+            if t.is_meta:
+                name = lowered.cap_names[i] if i < len(lowered.cap_names) and lowered.cap_names[i] else (
+                    f"a captured tensor of shape {tuple(t.shape)}")
+                raise ModError(f"{name} is a meta tensor: it holds no values for the kernel to read; "
+                               f"move it to the query's device", mod_name=lowered.mod_name)
 
 
 def _check_forward_only(query, key, value, descales, score_lowered) -> None:

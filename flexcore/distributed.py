@@ -17,6 +17,7 @@ Example (run under ``torchrun --nproc-per-node 2``; gloo on CPUs, NCCL on GPUs):
 from __future__ import annotations
 
 import atexit
+import operator
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -186,6 +187,10 @@ def _rank_world(group, rank, world_size, what: str) -> tuple[int, int]:
     if rank is not None or world_size is not None:
         if rank is None or world_size is None:
             raise ContextParallelError(f"{what}: give both rank and world_size, or neither (group)")
+        try:  # NumPy ints and 0-d integer tensors as well
+            rank, world_size = operator.index(rank), operator.index(world_size)
+        except TypeError:
+            pass  # _check_rank names it
         _check_rank(rank, world_size, what)
         return rank, world_size
     import torch.distributed as dist

@@ -94,6 +94,9 @@ def nested_mask_mod(mask_mod: MaskMod, q_offsets: Tensor, kv_offsets: Tensor | N
         return mask_mod(seq, h, q_local, kv_local) & same
 
     nested_mask.__name__ = nested_mask.__qualname__ = f"nested_{_name(mask_mod)}"
+    # Read by nested_flex_attention: a BlockMask keeps its mask_mod through .to(), _adjust(),
+    # pytree round trips and torch's BlockMask, where attributes of its own are not kept.
+    nested_mask._nested_offsets = (q_offsets, kv_offsets)
     return nested_mask
 
 
@@ -228,13 +231,14 @@ def nested_flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: 
                 f"block_mask has lengths {lengths} but the nested inputs stack {q_total} queries "
                 f"and {kv_total} keys; build it with create_nested_block_mask(mask_mod, 1, H, "
                 f"query, key)")
-        built_for = getattr(block_mask, "_nested_offsets", None)
+        built_for = (getattr(block_mask, "_nested_offsets", None)
+                     or getattr(getattr(block_mask, "mask_mod", None), "_nested_offsets", None))
         if built_for is None:  # a mask of the stacked lengths would let sequences attend each other
             raise InputError(
-                "block_mask was not built by create_nested_block_mask: over nested inputs it must "
-                "keep each sequence to its own keys. Build it with create_nested_block_mask("
-                "mask_mod, 1, H, query, key), which writes the mask_mod for one sequence and masks "
-                "out the others, or pass block_mask=None")
+                "block_mask was not built by create_nested_block_mask (nor over nested_mask_mod): "
+                "over nested inputs it must keep each sequence to its own keys. Build it with "
+                "create_nested_block_mask(mask_mod, 1, H, query, key), which writes the mask_mod "
+                "for one sequence and masks out the others, or pass block_mask=None")
         if not (_same_structure(built_for[0], q_offsets) and _same_structure(built_for[1], kv_offsets)):
             raise InputError("block_mask was built by create_nested_block_mask for nested tensors "
                              "of other sequence lengths (other offsets); build it for these inputs")

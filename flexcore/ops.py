@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from flexcore.errors import ControlFlowError, InputError, ModError
 from flexcore.lowering.indexcheck import decided_without_evaluation
-from flexcore.lowering.trace import _CONTROL_FLOW
+from flexcore.lowering.trace import _CONTROL_FLOW, control_flow_message
 
 __all__ = ["record", "register_call", "compiled_flex_attention", "flex_attention_forward",
            "flex_attention_backward", "flex_attention_sink_backward"]
@@ -128,12 +128,12 @@ class _Recorder(TorchFunctionMode):
         if func in _CONTROL_FLOW:
             # As the eager lowering, refused; raised where the program is lowered (in the op, at
             # the first run), since an error raised while Dynamo traces would reach the user as
-            # Dynamo's own. The trace goes on with a Python zero (a symbolic value would fail
-            # in Dynamo first).
+            # Dynamo's own. The trace goes on with a Python one (a symbolic value would fail in
+            # Dynamo first; one survives the divisions and logarithms that follow such a use).
             self.refused = self.refused or _CONTROL_FLOW[func]
-            zero = _PYTHON_ZEROS.get(func)
-            if zero is not None:
-                return zero(args[0]) if callable(zero) else zero
+            one = _PYTHON_ONES.get(func)
+            if one is not None:
+                return one(args[0]) if callable(one) else one
         getitem = func is Tensor.__getitem__ and len(args) == 2
         index = _index_list(args[0], args[1]) if getitem else None
         out = torch.ops.aten.index(args[0], index) if index is not None else func(*args, **kwargs)
@@ -153,8 +153,8 @@ class _Recorder(TorchFunctionMode):
 
 
 # What a refused Python use of a tensor's value gives the rest of a recording.
-_PYTHON_ZEROS = {Tensor.__bool__: False, Tensor.__int__: 0, Tensor.__index__: 0, Tensor.__float__: 0.0,
-                 Tensor.item: lambda t: False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0}
+_PYTHON_ONES = {Tensor.__bool__: True, Tensor.__int__: 1, Tensor.__index__: 1, Tensor.__float__: 1.0,
+                Tensor.item: lambda t: True if t.dtype == torch.bool else 1.0 if t.is_floating_point() else 1}
 
 
 class Recorded(NamedTuple):
@@ -162,8 +162,8 @@ class Recorded(NamedTuple):
     register_call receives), the rest are the values the mod read (op inputs).
 
     ``program`` is (steps, output reference), plus what the mod did that the lowering refuses
-    (a tensor's value used in Python, :data:`flexcore.lowering.trace._CONTROL_FLOW`); ``meta`` holds (dtype, shape, gets a gradient) per
-    captured tensor; ``name`` is the mod's ``__name__``.
+    (a tensor's value used in Python, :data:`flexcore.lowering.trace._CONTROL_FLOW`); ``meta``
+    holds (dtype, shape, gets a gradient) per captured tensor; ``name`` is the mod's ``__name__``.
     """
 
     constants: tuple
@@ -360,11 +360,7 @@ def _lower(kind: str, recorded, ints, floats, score_dtype: torch.dtype, fast_mat
         return lowered, (), None
     program, meta, name = recorded
     if len(program) > 2:
-        raise ControlFlowError(
-            f"{program[2]} needs the tensor's value, which is unknown while the mod is lowered to a "
-            "kernel. Use tensor operations instead: torch.where(cond, a, b) for branches (combine "
-            "conditions with &, |, ~ instead of and/or/not) and torch.* functions instead of "
-            "math.*.", mod_name=name)
+        raise ControlFlowError(control_flow_message(program[2]), mod_name=name)
     stand_ins = _stand_ins(meta)
     fn = replay(program, name, stand_ins, ints, floats)
     if kind == "score":
@@ -649,6 +645,7 @@ def flex_attention_forward(query, key, value, kv_num_blocks, kv_indices, full_kv
     tables = (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, q_num_blocks,
               q_indices, full_q_num_blocks, full_q_indices)
     numbers = (tuple(score_ints), tuple(score_floats), tuple(mask_ints), tuple(mask_floats))
+    attention.check_scale_value(scale)
     spec, _, block_mask, score, mask = _prepare(call, tables, block, score_captured, mask_captured,
                                                 numbers, query, key)
     B, Hq = query.shape[:2]
@@ -870,6 +867,7 @@ def flex_attention_forward_inline(
         return torch.ops.flexcore.flex_attention_forward.default(*args)
     spec, _, score, mask, grid = found
     B, Hq = grid[:2]
+    attention.check_scale_value(scale)
     with _without_lines():
         attention.check_indices(score, mask, *grid, spec.opts)
     blocks = None if kv_num_blocks is None else BlockTensors.broadcast(

@@ -238,9 +238,6 @@ class PagedAttention:
             if not self._pages[b]:
                 raise InputError(f"assign: batch_idx {b} holds no pages (never reserved, or erased); "
                                  f"call reserve({b}, seq_len) first")
-        if len(set(batches)) != len(batches):  # two writes to one slot: no defined winner
-            raise InputError(f"assign: batch_idx {batches} names a sequence twice; write each "
-                             f"sequence's tokens in one row of input_pos")
         pos = input_pos.to(device=self.device, dtype=torch.int64)
         rows = torch.tensor(batches, dtype=torch.int64, device=self.device)
         reserved = torch.tensor([len(self._pages[b]) * self.page_size for b in batches],
@@ -254,8 +251,9 @@ class PagedAttention:
         pages = torch.gather(self.page_table[rows], 1, pos // self.page_size)
         addr = (pages * self.page_size + pos % self.page_size).reshape(-1).to(k_cache.device)
         if addr.numel() > 1 and torch.unique(addr).numel() != addr.numel():
-            raise InputError("assign: input_pos repeats a position within a sequence; each new "
-                             "token needs its own position (index_copy_ keeps no defined one of two)")
+            raise InputError("assign: two new tokens have one cache slot (a position repeated in "
+                             "input_pos, or one sequence named twice in batch_idx with the same "
+                             "position); index_copy_ keeps no defined one of two")
         # (B, H, S, D) -> (H, B * S, D), matching addr's (batch, position) order.
         k_cache[0].index_copy_(1, addr, k_val.transpose(0, 1).reshape(H, B * S, -1))
         v_cache[0].index_copy_(1, addr, v_val.transpose(0, 1).reshape(H, B * S, -1))

@@ -38,8 +38,8 @@ def scale_args(scale: float, dtype: torch.dtype) -> tuple:
     if dtype != torch.float64:
         return scale, scaled
     # The int 1 (the bits of 5e-324) would reach the kernel as a constant of triton's
-    # specialisation, not an integer: the next subnormal, 1e-323, stands in (every score
-    # underflows with either).
+    # specialisation, not an integer: the next subnormal, 1e-323, stands in (the scores differ
+    # by a factor of 2 below 1e-20, which no float64 softmax sees).
     return tuple(bits if bits != 1 else 2
                  for bits in (struct.unpack("<q", struct.pack("<d", x))[0] for x in (scale, scaled)))
 

@@ -137,10 +137,6 @@ class ModCodegen(ShapeOps):
                                   "more than 4 dimensions; reshape it to at most 4")
             if tensor.is_complex() or tensor.is_sparse:
                 raise self._error(ModError, "complex and sparse captured tensors are not supported")
-            if tensor.is_meta:
-                raise self._error(ModError, f"a captured tensor of shape {tuple(tensor.shape)} is a meta "
-                                  "tensor (no values for the kernel to read); move it to the "
-                                  "query's device")
             self._cap_ids[key] = len(self.captured)
             self.captured.append(tensor)
         return self._cap_ids[key]

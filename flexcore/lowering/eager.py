@@ -95,7 +95,8 @@ def _vmapped(fn, args: tuple, device):
         out = fn(*xs)
         if isinstance(out, torch.Tensor):
             return out
-        if not isinstance(out, (bool, int, float)):  # the callers name the mod and what it returned
+        # Python and NumPy scalars become tensors; the callers name the mod and anything else.
+        if not isinstance(out, (bool, int, float)) and not (hasattr(out, "dtype") and hasattr(out, "item")):
             raise _NotATensor(out)
         return torch.as_tensor(out, device=device)
 

@@ -39,6 +39,13 @@ _CONTROL_FLOW = {
 }
 
 
+def control_flow_message(what: str) -> str:
+    """The ControlFlowError text for ``what`` (one of :data:`_CONTROL_FLOW`'s values)."""
+    return (f"{what} needs the tensor's value, which is unknown while the mod is lowered to a "
+            "kernel. Use tensor operations instead: torch.where(cond, a, b) for branches (combine "
+            "conditions with &, |, ~ instead of and/or/not) and torch.* functions instead of math.*.")
+
+
 @dataclass(frozen=True)
 class Location:
     filename: str | None
@@ -155,10 +162,7 @@ class _LoweringMode(TorchFunctionMode):
         if func in _CONTROL_FLOW:
             loc = user_location_from_stack()
             raise _TraceError(ControlFlowError(
-                f"{_CONTROL_FLOW[func]} needs the tensor's value, which is unknown while the mod "
-                "is lowered to a kernel. Use tensor operations instead: torch.where(cond, a, b) for "
-                "branches (combine conditions with &, |, ~ instead of and/or/not) and torch.* "
-                "functions instead of math.*.",
+                control_flow_message(_CONTROL_FLOW[func]),
                 mod_name=self.name, filename=loc.filename, lineno=loc.lineno,
                 op=func_display_name(func)))
         graph = _current_graph()

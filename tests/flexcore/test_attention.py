@@ -189,14 +189,26 @@ def test_bad_input_names_the_argument(case):
         flex_attention(q, k, v, **kwargs)
 
 
+def test_refusals_do_not_depend_on_earlier_calls():
+    """A prepared call is found by its arguments' values and types: 1 == True must not let a
+    refused argument reuse a call an accepted one prepared."""
+    q = torch.randn(1, 2, 64, 32)
+    for good, bad in (({"enable_gqa": False}, {"enable_gqa": 0}), ({"scale": 1}, {"scale": True}),
+                      ({"kernel_options": {"deterministic": True}}, {"kernel_options": {"deterministic": 1}})):
+        flex_attention(q, q, q, **good)
+        with pytest.raises(InputError, match="must be|expected True or False"):
+            flex_attention(q, q, q, **bad)
+
+
 def test_scale_takes_any_real_number():
     import numpy as np
 
     gen = torch.Generator().manual_seed(seed_of("scale types"))
     q, k, v = (torch.randn(1, 2, 64, 32, generator=gen) for _ in range(3))
-    want = flex_attention(q, k, v, scale=0.25)
-    torch.testing.assert_close(flex_attention(q, k, v, scale=np.float32(0.25)), want, rtol=0, atol=0)
-    torch.testing.assert_close(flex_attention(q, k, v, scale=np.float64(0.25)), want, rtol=0, atol=0)
+    # Values no earlier call used (a prepared call is found by the scale's value and type).
+    for scale in (np.float32(0.3), np.float64(0.7), np.int64(2)):
+        got = flex_attention(q, k, v, scale=scale)
+        torch.testing.assert_close(got, flex_attention(q, k, v, scale=float(scale)), rtol=0, atol=0)
     gold = flex_attention_reference(q, k, v, scale=2)
     assert rel_err(flex_attention(q, k, v, scale=2), gold) < 1e-5
 
@@ -206,10 +218,18 @@ def test_a_second_derivative_is_refused():
     penalty) raises instead of leaving the penalty's gradient out."""
     gen = torch.Generator().manual_seed(seed_of("double backward"))
     q, k, v = (torch.randn(1, 2, 64, 32, generator=gen, requires_grad=True) for _ in range(3))
+    # Whether or not the gradient reaching flex_attention itself requires grad.
+    for first in (lambda out: out.pow(2).sum(), lambda out: out.sum()):
+        out = flex_attention(q, k, v)
+        grad_q, = torch.autograd.grad(first(out), q, create_graph=True)
+        with pytest.raises(RuntimeError, match="gradients are not differentiable: a double backward"):
+            (out.pow(2).sum() + grad_q.pow(2).sum()).backward()
+    # First-order gradients under create_graph still work.
     out = flex_attention(q, k, v)
-    grad_q, = torch.autograd.grad(out.pow(2).sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        (out.sum() + grad_q.pow(2).sum()).backward()
+    grad_q, = torch.autograd.grad(out.sum(), q, create_graph=True)
+    gold = flex_attention_reference(q, k, v)
+    want, = torch.autograd.grad(gold.sum(), q)
+    assert rel_err(grad_q.detach(), want) < 1e-5
 
 
 def test_negative_scale():

@@ -427,6 +427,22 @@ def test_compiled_index_checks_read_the_calls_tensors(case):
         flex_attention(q, k, v, score_mod=mod)
 
 
+def test_a_scale_that_changes_between_compiled_calls():
+    """A scale Dynamo makes symbolic (it changed between calls) is checked in flexcore's op, where
+    its value is known: finite ones run as eager calls do, NaN is refused."""
+    from flexcore.errors import InputError
+
+    torch._dynamo.reset()
+    q, k, v = (t.detach() for t in qkv(64, seed=15))
+    compiled = torch.compile(lambda q, k, v, s: flex_attention(q, k, v, scale=s), fullgraph=True,
+                             backend="aot_eager")
+    for scale in (0.3, 0.4, 0.5):
+        torch.testing.assert_close(compiled(q, k, v, scale), flex_attention(q, k, v, scale=scale),
+                                   rtol=0, atol=0)
+    with pytest.raises(InputError, match="scale must be a finite real number.*nan"):
+        compiled(q, k, v, math.nan)
+
+
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_compiled_mod_reading_a_value_in_python_fails_as_eager(fullgraph):
     """.item() on an index in a mod under torch.compile: eager's ControlFlowError, not the
@@ -439,10 +455,15 @@ def test_compiled_mod_reading_a_value_in_python_fails_as_eager(fullgraph):
     def by_item(score, b, h, q_idx, kv_idx):
         return score * (kv_idx.item() + 1)
 
-    compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=by_item),
-                             fullgraph=fullgraph, backend="aot_eager")
-    with pytest.raises(ControlFlowError, match=r"in by_item.*tensor.item\(\)"):
-        compiled(q, k, v)
+    def by_log(score, b, h, q_idx, kv_idx):  # what follows the use must trace on the stand-in value
+        return score + math.log(float(kv_idx)) / int(q_idx)
+
+    for mod in (by_item, by_log):
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=mod),
+                                 fullgraph=fullgraph, backend="aot_eager")
+        with pytest.raises(ControlFlowError, match=rf"in {mod.__name__}.*needs the tensor's value"):
+            compiled(q, k, v)
 
 
 # -- the ops themselves --------------------------------------------------------------------------

@@ -227,6 +227,12 @@ def test_nested_errors_name_the_problem():
     stacked = create_block_mask(windowed_causal, 1, None, 121, 121, device="cpu")  # not per sequence
     with pytest.raises(InputError, match="not built by create_nested_block_mask"):
         nested_flex_attention(q, q, q, block_mask=stacked)
+    # A nested mask stays one through what keeps its mask_mod (device moves, pytree round trips).
+    built = create_nested_block_mask(windowed_causal, 1, None, q)
+    leaves, spec = torch.utils._pytree.tree_flatten(built)
+    for same in (built.to("cpu"), torch.utils._pytree.tree_unflatten(leaves, spec)):
+        torch.testing.assert_close(nested_flex_attention(q, q, q, block_mask=same).values(),
+                                   nested_flex_attention(q, q, q, block_mask=built).values(), rtol=0, atol=0)
     short = create_block_mask(windowed_causal, 1, None, 100, 100, device="cpu")
     with pytest.raises(InputError, match=r"lengths \(100, 100\) but the nested inputs stack 121"):
         nested_flex_attention(q, q, q, block_mask=short)

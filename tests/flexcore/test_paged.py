@@ -130,13 +130,13 @@ def test_assign_errors_leave_the_cache_untouched():
         paged.assign(torch.tensor([0]), torch.tensor([[0, 1, 2, 3]]), k[..., :8], v, k_cache, v_cache)
     with pytest.raises(InputError, match="v_cache has shape"):
         paged.assign(torch.tensor([0]), torch.tensor([[0, 1, 2, 3]]), k, v, k_cache, v_cache[:, :, :40])
-    # Two writes to one slot (index_copy_ keeps no defined one): a sequence named twice, or a
-    # position repeated.
-    with pytest.raises(InputError, match=r"batch_idx \[0, 0\] names a sequence twice"):
-        paged.assign(torch.tensor([0, 0]), torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]), k.expand(2, -1, -1, -1),
-                     v.expand(2, -1, -1, -1), k_cache, v_cache)
-    with pytest.raises(InputError, match="repeats a position"):
+    # Two writes to one slot (index_copy_ keeps no defined one): a position repeated, or one
+    # sequence named twice with a shared position.
+    with pytest.raises(InputError, match="two new tokens have one cache slot"):
         paged.assign(torch.tensor([0]), torch.tensor([[0, 1, 1, 3]]), k, v, k_cache, v_cache)
+    with pytest.raises(InputError, match="two new tokens have one cache slot"):
+        paged.assign(torch.tensor([0, 0]), torch.tensor([[0, 1, 2, 3], [3, 4, 5, 6]]), k.expand(2, -1, -1, -1),
+                     v.expand(2, -1, -1, -1), k_cache, v_cache)
     assert torch.equal(k_cache, saved[0]) and torch.equal(v_cache, saved[1])
 
 
