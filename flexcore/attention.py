@@ -99,7 +99,10 @@ def check_scale(scale) -> None:
 
 
 def check_scale_value(scale: float) -> None:
-    """InputError unless the (Python float) scale is finite."""
+    """InputError unless the (Python float) scale is finite; a symbolic one passes (a traced op
+    body sees it so, and its run checks the value)."""
+    if isinstance(scale, (torch.SymFloat, torch.SymInt)):
+        return
     if not math.isfinite(scale):
         raise InputError(f"scale must be a finite real number (a float) or None, got {scale}")
 
