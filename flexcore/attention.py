@@ -359,7 +359,7 @@ class _FlexAttention(torch.autograd.Function):
     SINKS_INPUT = 9
 
     @staticmethod
-    def forward(ctx, query, key, value, call, block_mask, blocks, score_mod, score_lowered,
+    def forward(ctx, query, key, value, call, block_mask, blocks, score_bwd, score_lowered,
                 mask_lowered, sinks, *captured):
         out, lse, row_stats, max_scores = forward_kernels(query, key, value, score_lowered,
                                                           mask_lowered, blocks, call.scale,
@@ -370,7 +370,7 @@ class _FlexAttention(torch.autograd.Function):
             ctx.save_for_backward(query, key, value, out, row_stats, lse, None, sinks)
         else:
             ctx.save_for_backward(query, key, value, out, row_stats, None, None, None)
-        ctx.call, ctx.block_mask, ctx.blocks, ctx.score_mod = call, block_mask, blocks, score_mod
+        ctx.call, ctx.block_mask, ctx.blocks, ctx.score_bwd = call, block_mask, blocks, score_bwd
         ctx.score_lowered, ctx.mask_lowered = score_lowered, mask_lowered
         if max_scores is not None:
             ctx.mark_non_differentiable(max_scores)
@@ -395,7 +395,9 @@ class _FlexAttention(torch.autograd.Function):
         dq = dk = dv = grad_sinks = None
         captured_grads = [None] * n_captured
         call = ctx.call
-        score_bwd = _score_backward(ctx.score_mod, ctx.score_lowered, call.score_dtype)
+        score_bwd = ctx.score_bwd
+        if isinstance(score_bwd, Exception):  # its lowering failed in the forward: say so now
+            raise score_bwd
         if any(needs[:3]) or any(needs[_FlexAttention.N_INPUTS:]):
             dq, dk, dv, captured_grads, *delta = backward_kernels(
                 query, key, value, out, row_stats, grad_out, grad_lse, ctx.score_lowered, score_bwd,
@@ -413,6 +415,15 @@ class _FlexAttention(torch.autograd.Function):
 # Lowered score_mod gradients per lowered score_mod (the lowering returns the same LoweredMod
 # while the mod is unchanged) and per (requires_grad of its captured tensors, score dtype).
 _score_backwards: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _score_backward_now(score_mod, score_lowered, score_dtype):
+    """:func:`_score_backward`, or the ModError its lowering raised (raised by the backward, so
+    that a forward whose gradient is never taken still runs)."""
+    try:
+        return _score_backward(score_mod, score_lowered, score_dtype)
+    except ModError as error:
+        return error
 
 
 def _score_backward(score_mod, score_lowered, score_dtype):
@@ -549,7 +560,10 @@ def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
             if not call.prefetched:
                 _prefetch_stats(block_mask, blocks, query, key, value, score_lowered, call.opts)
                 call.prefetched = True
-            return (*_FlexAttention.apply(query, key, value, call, block_mask, blocks, score_mod,
+            # The score_mod's gradient is lowered now: the mod may read a closure cell that
+            # changes before the backward runs (mods defined in a loop over layers).
+            score_bwd = _score_backward_now(score_mod, score_lowered, call.score_dtype)
+            return (*_FlexAttention.apply(query, key, value, call, block_mask, blocks, score_bwd,
                                           score_lowered, mask_lowered, sinks, *score_lowered.captured),
                     applied)
     # Inference (decoding steps above all): no autograd node, no saved tensors.
@@ -705,6 +719,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
         raise InputError("the FP8 (float8_e4m3fn) path of flex_attention runs eagerly, not under "
                          "torch.compile: call it outside the compiled region (torch.compiler.disable)")
     if torch.compiler.is_compiling():
+        block_mask = coerce_block_mask(block_mask)  # a torch BlockMask, as in an eager call
         # flexcore's forward op takes the sinks in, as an eager call's kernels do.
         out, lse, max_scores = ops.compiled_flex_attention(query, key, value, score_mod, block_mask,
                                                            scale, enable_gqa, kernel_options, want_max,

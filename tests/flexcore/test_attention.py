@@ -213,6 +213,37 @@ def test_scale_takes_any_real_number():
     assert rel_err(flex_attention(q, k, v, scale=2), gold) < 1e-5
 
 
+def test_mods_of_a_loop_get_their_own_tensors_gradients():
+    """Score_mods defined in a loop over layers share one closure cell, which holds the last
+    layer's tensor by the time the backward runs: the gradient is lowered in the forward, so
+    each layer's captured tensor gets its own gradient (it got 0, or a ModError, before)."""
+    gen = torch.Generator().manual_seed(seed_of("loop closures"))
+    tables = [torch.randn(2, generator=gen, requires_grad=True) for _ in range(2)]
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=gen) for _ in range(3))
+
+    def layers(attend, dtype):
+        x = q.to(dtype)
+        for t in tables:
+            def biased(score, b, h, q_idx, kv_idx):
+                return score + t[h] * (q_idx > kv_idx)
+
+            def scaled(score, b, h, q_idx, kv_idx):
+                return score * t[h]
+
+            x = attend(attend(x, k.to(dtype), v.to(dtype), score_mod=biased), k.to(dtype), v.to(dtype),
+                       score_mod=scaled)
+        x.sum().backward()
+        grads = [t.grad.clone() for t in tables]
+        for t in tables:
+            t.grad = None
+        return grads
+
+    got = layers(flex_attention, torch.float32)
+    gold = layers(flex_attention_reference, torch.float64)
+    for g, want in zip(got, gold):
+        assert rel_err(g, want) < 1e-5, (g, want)
+
+
 def test_a_second_derivative_is_refused():
     """The kernels' gradients are not differentiable again: a double backward (a gradient
     penalty) raises instead of leaving the penalty's gradient out."""

@@ -88,8 +88,13 @@ def test_torch_mask_attends_as_flexcore_mask(L, S):
 def test_flex_attention_takes_a_torch_mask():
     q, k, v = qkv(1, 2, 64, 64, 16, seed_of("direct"))
     theirs = tfa.create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
-    assert torch.equal(flex_attention(q, k, v, block_mask=theirs),
-                       flex_attention(q, k, v, block_mask=coerce_block_mask(theirs)))
+    want = flex_attention(q, k, v, block_mask=coerce_block_mask(theirs))
+    assert torch.equal(flex_attention(q, k, v, block_mask=theirs), want)
+    # Inside torch.compile too (the compiled call converts it as the eager one does).
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, m: flex_attention(q, k, v, block_mask=m), fullgraph=True,
+                             backend="aot_eager")
+    assert torch.equal(compiled(q, k, v, theirs), want)
 
 
 def test_coerce_converts_once_and_follows_changes():
