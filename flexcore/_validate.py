@@ -85,7 +85,8 @@ def check_block_mask(block_mask, B: int, Hq: int, L: int, S: int, device: torch.
             f"Build it with create_block_mask(mask_mod, B, H, {L}, {S}); for decoding with a sliced "
             f"mask, set its lengths with mask.seq_lengths = ({L}, {S})")
     mb, mh, qb = block_mask.kv_num_blocks.shape
-    if mb not in (1, B) or mh not in (1, Hq):
+    # Explicit comparisons: `in` over symbolic sizes misjudges them under Dynamo (dynamic=True).
+    if (mb != 1 and mb != B) or (mh != 1 and mh != Hq):
         raise InputError(f"block_mask has batch {mb} and heads {mh}; expected batch 1 or {B} and heads "
                          f"1 or {Hq} (the query's)")
     if block_mask.kv_num_blocks.device != device:

@@ -733,6 +733,23 @@ def test_non_finite_sinks_are_refused_under_torch_compile_on_the_cpu():
         compiled(q, k, v, torch.tensor([0.0, math.nan]))
 
 
+def test_learnable_sinks_with_a_per_head_mask_under_dynamic_shapes():
+    """dynamic=True, an nn.Parameter of sinks and a mask with one row per head: the mask check
+    compares symbolic sizes (it refused this call, "expected heads 1 or 2")."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(seed_of("dynamic sinks"))
+    q, k, v = (torch.randn(1, 2, 20, 16, generator=gen) for _ in range(3))
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, 2, 20, 20, device="cpu",
+                           BLOCK_SIZE=16)
+    sinks = torch.nn.Parameter(torch.randn(2, generator=gen))
+
+    def fn(q, k, v, bm, sinks):
+        return flex_attention(q, k, v, block_mask=bm, sinks=sinks)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    torch.testing.assert_close(compiled(q, k, v, bm, sinks), fn(q, k, v, bm, sinks), rtol=0, atol=0)
+
+
 def test_sinks_are_keyword_only_and_refused_with_nested_tensors():
     q, k, v = (torch.randn(1, 2, 16, 16) for _ in range(3))
     with pytest.raises(TypeError):
