@@ -287,8 +287,8 @@ _ANCHOR_DECODE = {
 def _anchors(head_dims: list[int]) -> dict:
     return {
         "providers": ANCHOR_PROVIDERS,
-        # Three interleaved rounds: a slowdown of the host or GPU within one timing window (one
-        # process in eight showed one) is outvoted by the other two rounds' repetitions.
+        # Three interleaved rounds: a slowdown of the host or GPU within one timing window is
+        # outvoted by the other two rounds' repetitions (docs/decisions.md#host-pinning).
         "settings": {"warmup_ms": 25, "rep_ms": 100, "min_reps": 10, "max_reps": 100,
                      "ref_slices": 1, "rounds": 3},
         "groups": [

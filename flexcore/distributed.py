@@ -136,12 +136,26 @@ def _shard_unit(world: int, sharding: str) -> int:
     return 2 * world if sharding == "zigzag" else world
 
 
-def _check_rank(rank, world, what: str) -> None:
-    """ContextParallelError unless world is a positive int and rank an int in [0, world)."""
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+def _as_int(value):
+    """``value`` as a Python int where it is an integer (NumPy ints and 0-d integer tensors
+    included, bools not), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _check_rank(rank, world, what: str) -> tuple[int, int]:
+    """(rank, world) as Python ints, or ContextParallelError unless world is a positive integer
+    and rank an integer in [0, world)."""
+    w, r = _as_int(world), _as_int(rank)
+    if w is None or w < 1:
         raise ContextParallelError(f"{what}: world_size={world!r}; expected a positive int")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ContextParallelError(f"{what}: rank={rank!r}; expected an int in [0, {world})")
+    if r is None or not 0 <= r < w:
+        raise ContextParallelError(f"{what}: rank={rank!r}; expected an int in [0, {w})")
+    return r, w
 
 
 def _check_dim(x: Tensor, dim, what: str) -> int:
@@ -175,7 +189,7 @@ def shard_positions(seq_len: int, world_size: int, rank: int, sharding: str = "z
         tensor([0, 1, 6, 7])
     """
     _check_sharding(sharding, "shard_positions")
-    _check_rank(rank, world_size, "shard_positions")
+    rank, world_size = _check_rank(rank, world_size, "shard_positions")
     _check_length(seq_len, world_size, sharding, "shard_positions", "seq_len")
     n = len(_chunks(world_size, 0, sharding))
     size = seq_len // (world_size * n)
@@ -187,12 +201,7 @@ def _rank_world(group, rank, world_size, what: str) -> tuple[int, int]:
     if rank is not None or world_size is not None:
         if rank is None or world_size is None:
             raise ContextParallelError(f"{what}: give both rank and world_size, or neither (group)")
-        try:  # NumPy ints and 0-d integer tensors as well
-            rank, world_size = operator.index(rank), operator.index(world_size)
-        except TypeError:
-            pass  # _check_rank names it
-        _check_rank(rank, world_size, what)
-        return rank, world_size
+        return _check_rank(rank, world_size, what)
     import torch.distributed as dist
 
     group = _resolve_group(group, what)

@@ -564,12 +564,18 @@ def _prepare(call, tables, block, score_caps, mask_caps, numbers, query, key):
         kept[ident] = entry
     elif not entry.checked:
         spec, _, _, score, mask = entry.result
-        from flexcore import attention
-
-        with _without_lines():
-            attention.check_indices(score, mask, query.shape[0], query.shape[1], query.shape[2],
-                                    key.shape[2], spec.opts)
+        _check_indices(spec, score, mask, query, key)
     return entry.result
+
+
+def _check_indices(spec: CallSpec, score, mask, query: Tensor, key: Tensor) -> None:
+    """attention.check_indices of bound mods on the call's grid, with the compiled call's error
+    text (:func:`_without_lines`)."""
+    from flexcore import attention
+
+    with _without_lines():
+        attention.check_indices(score, mask, query.shape[0], query.shape[1], query.shape[2],
+                                key.shape[2], spec.opts)
 
 
 
@@ -582,9 +588,7 @@ def _prepare_new(call, tables, block, score_caps, mask_caps, numbers, query, key
     lowered = spec.lowered(numbers)
     block_mask = block_mask_of(spec, lowered, tables, block, mask_caps, numbers, query, key)
     score, mask = spec.bind(lowered, score_caps, mask_caps)
-    with _without_lines():
-        attention.check_indices(score, mask, query.shape[0], query.shape[1], query.shape[2],
-                                key.shape[2], spec.opts)
+    _check_indices(spec, score, mask, query, key)
     # Checks that read captured values run at every call (the interpreter, check_indices=True);
     # the rest depend only on what the key fixes, so they are done.
     checked = not (use_interpreter() or spec.opts.check_indices)
@@ -868,8 +872,7 @@ def flex_attention_forward_inline(
     spec, _, score, mask, grid = found
     B, Hq = grid[:2]
     attention.check_scale_value(scale)
-    with _without_lines():
-        attention.check_indices(score, mask, *grid, spec.opts)
+    _check_indices(spec, score, mask, query, key)
     blocks = None if kv_num_blocks is None else BlockTensors.broadcast(
         kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, tuple(block[:2]))
     if key.shape[0] != B:  # a shared (batch 1) cache is read through stride-0 views

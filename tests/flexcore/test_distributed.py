@@ -342,6 +342,10 @@ def test_shard_helpers_round_trip_without_a_group():
     with pytest.raises(cp.ContextParallelError, match="x.shape\\[2\\]=16 is not divisible"):
         cp.shard_sequence(x, rank=0, world_size=3)
     assert torch.equal(cp.shard_sequence(x, rank=1, world_size=2, dim=-2), shards[1])
+    # NumPy and 0-d tensor integers are integers.
+    import numpy as np
+    assert torch.equal(cp.shard_sequence(x, rank=np.int64(1), world_size=torch.tensor(2)), shards[1])
+    assert torch.equal(cp.shard_positions(16, np.int32(2), np.int64(1)), shards[1].flatten())
     for call, match in [
         (lambda: cp.shard_sequence(x, rank=2, world_size=2), r"rank=2; expected an int in \[0, 2\)"),
         (lambda: cp.shard_sequence(x, rank=-1, world_size=2), r"rank=-1; expected an int in \[0, 2\)"),
@@ -349,6 +353,7 @@ def test_shard_helpers_round_trip_without_a_group():
         (lambda: cp.shard_sequence(x, dim=7, rank=0, world_size=2), r"dim=7 is not an axis of x of shape"),
         (lambda: cp.shard_positions(16, 0, 0), "world_size=0; expected a positive int"),
         (lambda: cp.shard_positions(16, 2, "a"), "rank='a'; expected an int"),
+        (lambda: cp.shard_sequence(x, rank=True, world_size=2), "rank=True; expected an int"),
     ]:
         with pytest.raises(cp.ContextParallelError, match=match):
             call()
