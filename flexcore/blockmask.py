@@ -20,6 +20,7 @@ import itertools
 import math
 import operator
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple
 
@@ -609,6 +610,46 @@ _TOKENS = itertools.count(1)
 #: table it was converted under). They follow the table object into every BlockMask holding it
 #: (copies, dataclasses.replace, with_mask_mod) and leave with it.
 _TABLE_GUARDS = WeakIdKeyDictionary()
+#: The tables' version counters when a mask of them was built, per kv_num_blocks table and the ids
+#: of all eight tables: a mask rebuilt around the same tables later (torch.compile's ops rebuild
+#: the user's mask from its tables) checks edits against the first build, not its own.
+_BUILT_VERSIONS = WeakIdKeyDictionary()
+_BUILT_PER_TABLE = 8
+
+
+def _table_ids(d: dict) -> tuple:
+    return tuple(id(d[name]) for name in _TABLES)
+
+
+def _first_built(d: dict) -> dict | None:
+    """The versions recorded for a mask of exactly ``d``'s tables (the same objects, alive: an id
+    reused by a later tensor does not match), or None."""
+    built = _BUILT_VERSIONS.get(d["kv_num_blocks"])
+    entry = None if built is None else built.get(_table_ids(d))
+    if entry is None:
+        return None
+    refs, versions = entry
+    if any((r is not None and r() is not d[name]) for name, r in zip(_TABLES, refs)):
+        return None
+    return versions
+
+
+def _record_built(d: dict, overwrite: bool) -> None:
+    """Keep the versions of a mask's watched tables (see _BUILT_VERSIONS): a mask whose contents
+    were checked (built from the user's tables, or a table assigned) records them; one built
+    from already checked tables (``overwrite`` False) only where no mask of them recorded yet."""
+    if not d["_watched"] or (not overwrite and _first_built(d) is not None):
+        return
+    holder = d["kv_num_blocks"]
+    built = _BUILT_VERSIONS.get(holder)
+    if built is None:
+        built = _BUILT_VERSIONS[holder] = {}
+    ids = _table_ids(d)
+    built.pop(ids, None)
+    if len(built) >= _BUILT_PER_TABLE:
+        built.pop(next(iter(built)))
+    refs = tuple(None if d[name] is None else weakref.ref(d[name]) for name in _TABLES)
+    built[ids] = (refs, {name: version for name, _, version in d["_watched"]})
 
 
 def _checked_mask_mod(mask_mod) -> MaskMod:
@@ -706,7 +747,9 @@ class BlockMask:
     row.seq_lengths = (1, KV_LEN)``). Each assignment is checked, and assigning a key-block table
     drops the transposed ``q_*`` tables derived from the old one. :attr:`version` changes at every
     assignment. Editing a table *in place* is refused instead: :meth:`check_unmodified` compares
-    the tables' version counters with those recorded when the mask was built.
+    the tables' version counters with those recorded when the mask was built (also under
+    torch.compile where flexcore's ops run; the inline ops Inductor launches on CUDA run no Python
+    per call: flexcore/README.md, "BlockMask layout").
 
     BlockMask is a pytree node (``torch.utils._pytree``): its tables are the leaves.
 
@@ -737,6 +780,7 @@ class BlockMask:
     def __post_init__(self):
         d = self.__dict__
         trusted = d.pop("_trusted", False)
+        d["_trusted_build"] = trusted
         d["seq_lengths"] = _seq_lengths_pair(self.seq_lengths)
         d["BLOCK_SIZE"] = _block_size_pair(self.BLOCK_SIZE)
         d["mask_mod"] = _checked_mask_mod(self.mask_mod)
@@ -765,6 +809,15 @@ class BlockMask:
                         else ())
         d["_token"] = next(_TOKENS)
         d["_ready"] = True
+        _record_built(d, overwrite=bool(fresh) or not d.get("_trusted_build", False))
+
+    def _watch_as_first_built(self) -> None:
+        """Take the table versions recorded when a mask of these same tables was first built, so
+        that :meth:`check_unmodified` refuses edits made before this mask was made too."""
+        d = self.__dict__
+        first = _first_built(d)
+        if first is not None:
+            d["_watched"] = tuple((name, t, first.get(name, v)) for name, t, v in d["_watched"])
 
     def __setattr__(self, name, value):
         d = self.__dict__

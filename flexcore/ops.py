@@ -54,29 +54,37 @@ _TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices
 # Recording a mod while Dynamo traces it
 # ----------------------------------------------------------------------------------------------
 
-def _index_list(tensor: Tensor, index) -> list | None:
-    """``tensor[index]`` as the index list of ``aten.index`` (tensors, ints, ``:``, ``...``),
-    or None where the index holds no tensor or something else. Tensor indices must not become
-    Python ints: under Dynamo that would read a value that is not known while tracing."""
+def _index_list(tensor: Tensor, index) -> tuple[Tensor, list] | None:
+    """``tensor[index]`` as ``aten.index(base, indices)``: ``base`` is ``tensor`` with the index's
+    slices and ``None``s applied (basic indexing), ``indices`` the index list of ``aten.index``
+    (tensors, and ``None`` for a dimension taken whole). None where the index holds no tensor or
+    something else. Tensor indices must not become Python ints, as ``Tensor.__getitem__`` makes
+    a 0-d one beside a slice: under Dynamo that reads a value not known while tracing."""
     items = list(index) if isinstance(index, tuple) else [index]
     if not any(isinstance(i, Tensor) for i in items):
         return None
     if any(i is Ellipsis for i in items):
         at = items.index(Ellipsis)
-        items[at:at + 1] = [slice(None)] * max(tensor.dim() - (len(items) - 1), 0)
-    converted = []
+        used = sum(i is not None for i in items) - 1
+        items[at:at + 1] = [slice(None)] * max(tensor.dim() - used, 0)
+    basic, converted = [], []
     for item in items:
         if isinstance(item, Tensor):
+            basic.append(slice(None))
             converted.append(item)
         elif isinstance(item, int) and not isinstance(item, bool):
+            basic.append(slice(None))
             converted.append(torch.full((), item, dtype=torch.int64, device=tensor.device))
-        elif isinstance(item, slice) and item == slice(None):
+        elif isinstance(item, slice) or item is None:
+            basic.append(item)
             converted.append(None)
         else:
             return None
+    if any(b != slice(None) for b in basic):
+        tensor = tensor[tuple(basic)]
     while converted and converted[-1] is None:
         converted.pop()
-    return converted
+    return tensor, converted
 
 
 class _Recorder(TorchFunctionMode):
@@ -136,7 +144,7 @@ class _Recorder(TorchFunctionMode):
                 return one(args[0]) if callable(one) else one
         getitem = func is Tensor.__getitem__ and len(args) == 2
         index = _index_list(args[0], args[1]) if getitem else None
-        out = torch.ops.aten.index(args[0], index) if index is not None else func(*args, **kwargs)
+        out = torch.ops.aten.index(*index) if index is not None else func(*args, **kwargs)
         tensors = isinstance(out, Tensor) or (
             isinstance(out, (tuple, list)) and any(isinstance(o, Tensor) for o in out))
         if tensors:  # other results (sizes, dtypes) are constants in the calls that use them
@@ -521,6 +529,7 @@ def block_mask_of(spec: CallSpec, lowered: Lowered, tables, block, mask_caps, nu
     mask = BlockMask._trusted(seq_lengths=block[2:], BLOCK_SIZE=block[:2],
                               mask_mod=replay(program, name, list(mask_caps), *numbers[2:]),
                               **dict(zip(_TABLES, tables)))
+    mask._watch_as_first_built()
     if len(kept) >= _MASKS_PER_TABLE:
         kept.pop(next(iter(kept)))
     kept[ident] = mask
@@ -565,6 +574,8 @@ def _prepare(call, tables, block, score_caps, mask_caps, numbers, query, key):
     elif not entry.checked:
         spec, _, _, score, mask = entry.result
         _check_indices(spec, score, mask, query, key)
+    if holder is not None:  # tables edited in place since the user's mask was built: refused
+        entry.result[2].check_unmodified()
     return entry.result
 
 

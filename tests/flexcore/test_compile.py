@@ -354,6 +354,79 @@ def test_kernel_options_holding_a_policy(form):
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
 
 
+TABLE = torch.randn(H, 8)
+
+
+@pytest.mark.parametrize("form", ["slice", "new_axis", "step_ellipsis"])
+def test_indexing_with_slices_and_new_axes(form):
+    """A captured tensor indexed by an index tensor beside slices or ``None``: eager's values and
+    gradients (the table's included), where Dynamo used to read the 0-d index's value."""
+    torch._dynamo.reset()
+    table = (TABLE + 0).requires_grad_(True)
+    mods = {
+        "slice": lambda score, b, h, q_idx, kv_idx: score + table[h, 0:4][kv_idx % 4],
+        "new_axis": lambda score, b, h, q_idx, kv_idx: score * table[None, h][0, q_idx % 8],
+        "step_ellipsis": lambda score, b, h, q_idx, kv_idx: score + table[h, ::2][..., (q_idx + kv_idx) % 4],
+    }
+    score_mod = mods[form]
+    q, k, v = qkv(64, seed=seed_of("slices", form))
+    bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    tensors = [q, k, v, table]
+    weights = torch.randn(q.shape)
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    out, grads = run_attention(lambda: compiled(q, k, v), tensors, weights)
+    eager = run_attention(lambda: fn(q, k, v), tensors, weights)
+    torch.testing.assert_close(out, eager[0], rtol=1e-6, atol=1e-6)
+    for got, expected in zip(grads, eager[1]):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert grads[-1].abs().sum() > 0
+    gold = run_attention(lambda: flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=bm),
+                         tensors, weights)
+    torch.testing.assert_close(out, gold[0].float(), rtol=1e-4, atol=1e-5)
+    for got, expected in zip(grads, gold[1]):
+        torch.testing.assert_close(got, expected.float(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("when", ["after_first_call", "before_first_call"])
+def test_tables_edited_in_place_are_refused_as_in_eager(when):
+    """A BlockMask table edited in place leaves the transposed tables stale: the compiled call
+    refuses it as eager does, whether the edit came before its first run or between runs. A mask
+    rebuilt from the edited tables runs."""
+    from flexcore.blockmask import BlockMask
+    from flexcore.errors import InputError
+
+    torch._dynamo.reset()
+    q, k, v = qkv(64, seed=seed_of("in_place", when))
+    bm = create_block_mask(causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    masks = {"bm": bm}
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, block_mask=masks["bm"])
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    if when == "after_first_call":
+        compiled(q, k, v).sum().backward()
+    bm.kv_num_blocks[0, 0, 1] = 0  # query block 1 drops its partial (diagonal) block
+    for call in (fn, compiled):
+        with pytest.raises(InputError, match="kv_num_blocks was modified in place"):
+            call(q, k, v).sum().backward()
+
+    masks["bm"] = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                                           bm.full_kv_indices, BLOCK_SIZE=32, mask_mod=causal,
+                                           seq_lengths=(64, 64))
+    weights = torch.randn(q.shape)
+    out, grads = run_attention(lambda: compiled(q, k, v), [q, k, v], weights)
+    gold = run_attention(lambda: flex_attention_reference(q, k, v, block_mask=masks["bm"]), [q, k, v],
+                         weights)
+    torch.testing.assert_close(out, gold[0].float(), rtol=1e-4, atol=1e-5)
+    for got, expected in zip(grads, gold[1]):
+        torch.testing.assert_close(got, expected.float(), rtol=1e-4, atol=1e-4)
+
+
 def test_python_constants_of_a_mod_are_guarded():
     """A mod's Python constant (a bias scale) is part of the recorded program: changing it
     retraces, and the compiled call follows."""
