@@ -151,6 +151,10 @@ def lower_mask_mod(fn) -> LoweredMod:
 
 
 def clear_cache() -> None:
-    """Forget every cached trace (tests use it to count traces)."""
+    """Forget every cached trace, the score_mods' gradients' included (tests: counting traces, a
+    first lowering)."""
+    from flexcore.lowering import vjp
+
     _cache.clear()
     _fast.clear()
+    vjp._cache.clear()

@@ -274,9 +274,14 @@ class ModCodegen(ShapeOps):
                 raise ModReturnError("a score_mod must return a float tensor, not bool",
                                      mod_name=self.name)
             trivial = v.expr == "score" and v.const is None
-            if v.const is not None:  # a 0-d tensor, not a constexpr: callers broadcast it
-                return f"tl.full([], {float_literal(float(v.const))}, {TL_TYPES[self.score_dtype]})", False
-            return self.cast(v, self.score_dtype), trivial
+            if v.const is not None:
+                return f"tl.full(score.shape, {float_literal(float(v.const))}, {TL_TYPES[self.score_dtype]})", False
+            expr = self.cast(v, self.score_dtype)
+            if not ("score" in v.deps or {"q", "kv"} <= v.deps):
+                # A value of the row, the column or the head alone: the kernels reduce the tile
+                # along both axes, so it takes the tile's shape (free in Triton).
+                expr = f"tl.broadcast_to({expr}, score.shape)"
+            return expr, trivial
         if v.dtype != torch.bool:
             raise ModReturnError(f"a mask_mod must return a bool tensor, not {v.dtype}",
                                  mod_name=self.name)

@@ -8,6 +8,7 @@ x * sigmoid(x), gelu an erf expression), so the graph holds ops it lowers or ref
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import sysconfig
@@ -347,6 +348,23 @@ def stand_in_device(gm: GraphModule) -> torch.device:
     return torch.device("cpu")
 
 
+@contextlib.contextmanager
+def saved_tensor_hooks_set_aside():
+    """Without the saved-tensor hooks that are set (activation checkpointing sets them around the
+    forward and its recomputation), restored after. A lowering's traces save nothing for the
+    caller's autograd graph: under the hooks they would add saved tensors to a first call only
+    (checkpointing's recomputation then counts fewer and fails), and torch.func refuses them."""
+    hooks = []
+    while (top := torch._C._autograd._top_saved_tensors_default_hooks(True)) is not None:
+        hooks.append(top)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(hooks):
+            torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
 def trace_mod(fn, kind: str, score_dtype: torch.dtype = torch.float32) -> GraphModule:
     """Trace ``fn`` over 0-d tensors (score ``score_dtype``; b, h, q_idx, kv_idx int32) to an
     aten graph.
@@ -392,7 +410,7 @@ def _trace(fn, kind: str, score_dtype: torch.dtype, device: torch.device) -> Gra
         [inspect.Parameter(p, inspect.Parameter.POSITIONAL_ONLY) for p in MOD_ARGS[kind]])
 
     try:
-        with mode:
+        with mode, saved_tensor_hooks_set_aside():
             return make_fx(traced, tracing_mode="fake", _allow_non_fake_inputs=True,
                            decomposition_table=decompositions())(*args)
     except _OtherDevice:

@@ -35,8 +35,8 @@ from flexcore.errors import ModError, UnsupportedOpError
 from flexcore.lowering import codegen as _codegen
 from flexcore.lowering.cache import LRUCache, guard_key
 from flexcore.lowering.shapes import flat_nodes
-from flexcore.lowering.trace import (decompositions, mod_name, stand_in_device, stand_ins,
-                                     trace_mod)
+from flexcore.lowering.trace import (decompositions, mod_name, saved_tensor_hooks_set_aside,
+                                     stand_in_device, stand_ins, trace_mod)
 from flexcore.lowering.values import Lanes, Val, literal, opmath
 
 FN_NAME = "score_mod_bwd_fn"
@@ -557,8 +557,9 @@ def _vjp_graph(gm: GraphModule, grad_caps: list[torch.Tensor], score_dtype: torc
              if "backward" in str(op) or str(op).startswith("aten.where")}
     table.update(decompositions())
     # functionalize: derivative formulas use in-place ops (mask.logical_and_(...)) on temporaries.
-    graph = make_fx(torch.func.functionalize(bwd), tracing_mode="fake", _allow_non_fake_inputs=True,
-                    decomposition_table=table)(*args)
+    with saved_tensor_hooks_set_aside():
+        graph = make_fx(torch.func.functionalize(bwd), tracing_mode="fake", _allow_non_fake_inputs=True,
+                        decomposition_table=table)(*args)
     graph.graph.eliminate_dead_code()
     graph.recompile()
     return graph, {id(d): t for d, t in zip(detached, grad_caps)}

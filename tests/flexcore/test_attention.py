@@ -635,3 +635,43 @@ def test_the_lightened_interpreter_gives_the_same_bits_as_triton_s_own(tmp_path)
 
     prepare_triton()
     assert interpreter.interpreter_builder.options.sanitize_overflow is False
+
+
+HEAD_BIAS = torch.tensor([0.3, -0.2])
+PART_OF_TILE_MODS = {
+    "constant": lambda score, b, h, q_idx, kv_idx: torch.full_like(score, 0.5),
+    "zeros_like": lambda score, b, h, q_idx, kv_idx: torch.zeros_like(score),
+    "row": lambda score, b, h, q_idx, kv_idx: q_idx.float() * 0.01,
+    "column": lambda score, b, h, q_idx, kv_idx: kv_idx.float() * 0.05,
+    "head": lambda score, b, h, q_idx, kv_idx: HEAD_BIAS[h],
+    "head_times_score": lambda score, b, h, q_idx, kv_idx: score * HEAD_BIAS[h],
+}
+
+
+@pytest.mark.parametrize("L", [64, 8], ids=["forward", "decode"])
+@pytest.mark.parametrize("mask", ["causal", "none"])
+@pytest.mark.parametrize("name", list(PART_OF_TILE_MODS))
+def test_score_mods_of_part_of_the_tile(name, mask, L):
+    """A score_mod whose value is one per row, column or head, or a constant, is the score of
+    every position of the tile (the kernels reduce tiles along both axes; full blocks apply no
+    mask that would broadcast it): forward and gradients against float64."""
+    score_mod = PART_OF_TILE_MODS[name]
+    gen = torch.Generator().manual_seed(seed_of("part_of_tile", name, mask, L))
+    S = 64
+    q = torch.randn(1, 2, L, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, S, 16, generator=gen, requires_grad=True) for _ in range(2))
+    bm = None
+    if mask == "causal":
+        bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + (S - L) >= kv_idx, None, None, L, S,
+                               device=DEVICE, BLOCK_SIZE=32)
+    weights = torch.randn(1, 2, L, 16, generator=gen)
+    results = []
+    for fn in (flex_attention, flex_attention_reference):
+        out = fn(q, k, v, score_mod=score_mod, block_mask=bm)
+        grads = torch.autograd.grad((out * weights).sum(), (q, k, v), allow_unused=True,
+                                    materialize_grads=True)
+        results.append((out, grads))
+    (out, grads), (gold, gold_grads) = results
+    assert rel_err(out, gold) < 1e-5
+    for got, expected in zip(grads, gold_grads):
+        assert rel_err(got, expected) < 1e-4

@@ -300,3 +300,40 @@ def test_backward_finer_tables_gpu(monkeypatch, shape, mod_name, learnable):
                    learnable=learnable, device="cuda",
                    kernel_options=policy_options(forward={"refine": "on"}))
     assert seen == [(64, 64)]
+
+
+@pytest.mark.parametrize("L", [1024, 8], ids=["forward", "decode"])
+@pytest.mark.parametrize("mask", ["causal", "none"])
+@pytest.mark.parametrize("name", ["constant", "row", "column", "head_times_score"])
+def test_score_mods_of_part_of_the_tile_gpu(name, mask, L):
+    """tests/flexcore/test_attention.py's part-of-the-tile score_mods on the GPU kernels (bf16,
+    every block path the mask sends them to), forward and gradients against float64 with
+    torch's own bf16 error as the tolerance."""
+    from flexcore import create_block_mask, flex_attention
+    from flexcore.reference import flex_attention_reference
+    from flexcore.testing import assert_close_to_reference
+    from tests.flexcore.test_attention import PART_OF_TILE_MODS
+
+    score_mod = PART_OF_TILE_MODS[name]
+    gen = torch.Generator(device="cuda").manual_seed(seed_of("part_of_tile_gpu", name, mask, L))
+    S = 1024
+    q = torch.randn(2, 2, L, 64, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, 2, S, 64, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(2))
+    bm = None
+    if mask == "causal":
+        bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx + (S - L) >= kv_idx, None, None, L, S,
+                               device="cuda")
+    weights = torch.randn(2, 2, L, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for fn, upcast in ((flex_attention, None), (flex_attention_reference, True),
+                       (flex_attention_reference, False)):
+        kwargs = {} if upcast is None else {"upcast": upcast}
+        out = fn(q, k, v, score_mod=score_mod, block_mask=bm, **kwargs)
+        grads = torch.autograd.grad((out * weights).sum(), (q, k, v), allow_unused=True,
+                                    materialize_grads=True)
+        results.append((out, grads))
+    (out, grads), (gold, gold_grads), (base, base_grads) = results
+    assert_close_to_reference(out, gold, base, name="out", metric="rel_fro")
+    for label, got, expected, baseline in zip("qkv", grads, gold_grads, base_grads):
+        assert_close_to_reference(got, expected, baseline, name=f"d{label}", metric="rel_fro")
