@@ -538,7 +538,7 @@ def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     mask_lowered = _lowering.lower_mask_mod(block_mask.mask_mod)
     checked = call.checked
     if checked is None or checked[0] is not score_lowered or checked[1] is not mask_lowered:
-        _check_captured_values(score_lowered, mask_lowered)
+        check_captured_values(query.device, score_lowered, mask_lowered)
         if check_indices(score_lowered, mask_lowered, call.B, call.Hq, query.shape[2], key.shape[2], call.opts):
             call.checked = (score_lowered, mask_lowered)
     blocks = call.blocks
@@ -572,16 +572,20 @@ def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_o
     return out, lse, max_scores, applied
 
 
-def _check_captured_values(*lowered_mods) -> None:
-    """ModError naming a captured tensor that holds no values (a meta tensor): the kernels read
-    them. (The lowering itself traces meta tensors: flexcore.ops lowers on stand-ins.)"""
+def check_captured_values(device: torch.device, *lowered_mods) -> None:
+    """ModError naming a captured tensor the kernels cannot read: a meta tensor (no values), or
+    one on another device than the query's. (The lowering itself traces meta tensors:
+    flexcore.ops lowers on stand-ins.)"""
     for lowered in lowered_mods:
         for i, t in enumerate(lowered.captured):
-            if t.is_meta:
-                name = lowered.cap_names[i] if i < len(lowered.cap_names) and lowered.cap_names[i] else (
-                    f"a captured tensor of shape {tuple(t.shape)}")
-                raise ModError(f"{name} is a meta tensor: it holds no values for the kernel to read; "
-                               f"move it to the query's device", mod_name=lowered.mod_name)
+            if not t.is_meta and t.device == device:
+                continue
+            name = lowered.cap_names[i] if i < len(lowered.cap_names) and lowered.cap_names[i] else (
+                f"a captured tensor of shape {tuple(t.shape)}")
+            what = "a meta tensor: it holds no values for the kernel to read" if t.is_meta else (
+                f"on {t.device}, and the query on {device}: the kernels read it there")
+            raise ModError(f"{name} is {what}; move it to the query's device ({name}.to({str(device)!r}))",
+                           mod_name=lowered.mod_name)
 
 
 def _check_forward_only(query, key, value, descales, score_lowered) -> None:

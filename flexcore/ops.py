@@ -599,6 +599,7 @@ def _prepare_new(call, tables, block, score_caps, mask_caps, numbers, query, key
     lowered = spec.lowered(numbers)
     block_mask = block_mask_of(spec, lowered, tables, block, mask_caps, numbers, query, key)
     score, mask = spec.bind(lowered, score_caps, mask_caps)
+    attention.check_captured_values(query.device, score, mask)
     _check_indices(spec, score, mask, query, key)
     # Checks that read captured values run at every call (the interpreter, check_indices=True);
     # the rest depend only on what the key fixes, so they are done.
@@ -962,6 +963,7 @@ def inline_call(args: tuple, switch: str | None = None):
     attention.ready()
     lowered = spec.lowered(numbers)
     score, mask = spec.bind(lowered, score_captured, mask_captured)
+    attention.check_captured_values(query.device, score, mask)
     grid = (query.shape[0], query.shape[1], query.shape[2], key.shape[2])
     # An index check that evaluates index expressions reads tensors, which are fake while Inductor
     # traces the op: such calls take flexcore's op, which checks on the call's own tensors.

@@ -312,9 +312,11 @@ def test_score_mods_of_part_of_the_tile_gpu(name, mask, L):
     from flexcore import create_block_mask, flex_attention
     from flexcore.reference import flex_attention_reference
     from flexcore.testing import assert_close_to_reference
-    from tests.flexcore.test_attention import PART_OF_TILE_MODS
+    from tests.flexcore.test_attention import HEAD_BIAS, PART_OF_TILE_MODS
 
-    score_mod = PART_OF_TILE_MODS[name]
+    head_bias = HEAD_BIAS.cuda()  # the CPU test's mod reads it on the CPU
+    score_mod = PART_OF_TILE_MODS[name] if name != "head_times_score" else (
+        lambda score, b, h, q_idx, kv_idx: score * head_bias[h])
     gen = torch.Generator(device="cuda").manual_seed(seed_of("part_of_tile_gpu", name, mask, L))
     S = 1024
     q = torch.randn(2, 2, L, 64, generator=gen, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -337,3 +339,30 @@ def test_score_mods_of_part_of_the_tile_gpu(name, mask, L):
     assert_close_to_reference(out, gold, base, name="out", metric="rel_fro")
     for label, got, expected, baseline in zip("qkv", grads, gold_grads, base_grads):
         assert_close_to_reference(got, expected, baseline, name=f"d{label}", metric="rel_fro")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_captured_tensor_on_another_device_is_refused_gpu(compiled):
+    """A score_mod reading a CPU tensor in a CUDA call: ModError naming it and both devices (the
+    kernels would be given a host pointer)."""
+    from flexcore import flex_attention
+    from flexcore.errors import ModError
+
+    torch._dynamo.reset()
+    bias = torch.randn(2)
+
+    def head_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    q, k, v = (torch.randn(1, 2, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    fn = lambda q, k, v: flex_attention(q, k, v, score_mod=head_bias)  # noqa: E731
+    if compiled:
+        fn = torch.compile(fn, fullgraph=True)
+    with pytest.raises(Exception) as info:
+        fn(q, k, v)
+    error = info.value
+    while not isinstance(error, ModError) and error.__cause__ is not None:
+        error = error.__cause__
+    assert isinstance(error, ModError), repr(info.value)
+    assert "is on cpu, and the query on cuda:0" in str(error)
+    assert compiled or str(error).startswith("in head_bias: bias is on cpu")
