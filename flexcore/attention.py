@@ -580,11 +580,12 @@ def check_captured_values(device: torch.device, *lowered_mods) -> None:
         for i, t in enumerate(lowered.captured):
             if not t.is_meta and t.device == device:
                 continue
-            name = lowered.cap_names[i] if i < len(lowered.cap_names) and lowered.cap_names[i] else (
-                f"a captured tensor of shape {tuple(t.shape)}")
+            named = i < len(lowered.cap_names) and lowered.cap_names[i]
+            name = lowered.cap_names[i] if named else f"a captured tensor of shape {tuple(t.shape)}"
             what = "a meta tensor: it holds no values for the kernel to read" if t.is_meta else (
                 f"on {t.device}, and the query on {device}: the kernels read it there")
-            raise ModError(f"{name} is {what}; move it to the query's device ({name}.to({str(device)!r}))",
+            move = f" ({name}.to({str(device)!r}))" if named else ""
+            raise ModError(f"{name} is {what}; move it to the query's device{move}",
                            mod_name=lowered.mod_name)
 
 

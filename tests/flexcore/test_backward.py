@@ -896,3 +896,28 @@ def test_activation_checkpointing(mod, compiled):
     for a, b in zip(got, gold):
         torch.testing.assert_close(a, b.float(), rtol=1e-4, atol=1e-5)
     assert got[0].abs().sum() > 0
+
+
+def test_reference_under_activation_checkpointing():
+    """The float64 reference's index checks trace the mod on its first call: under a checkpoint's
+    saved-tensor hooks that made the recomputation save fewer tensors (CheckpointError)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from flexcore.lowering.api import clear_cache
+
+    clear_cache()
+    gen = torch.Generator().manual_seed(seed_of("reference_checkpoint"))
+    slopes = (torch.rand(2, generator=gen, dtype=torch.float64) + 0.1).requires_grad_(True)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    x = torch.randn(1, 2, 32, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def layer(x):
+        return flex_attention_reference(x, x, x, score_mod=alibi)
+
+    got = torch.autograd.grad(checkpoint(layer, x, use_reentrant=False).sum(), (x, slopes))
+    plain = torch.autograd.grad(layer(x).sum(), (x, slopes))
+    for a, b in zip(got, plain):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
