@@ -18,6 +18,16 @@ from flexcore.lowering.shapes import ShapeOps, flat_nodes
 from flexcore.lowering.values import (INDEX_ARGS, MAX_LANES, TL_TYPES, Lanes, ReshapedView, Val, View,
                                       cast_expr, convert_const, float_literal, literal, opmath)
 
+def _may_wrap(dtype: torch.dtype) -> bool:
+    """Whether a sum or product of non-negative values of ``dtype`` can wrap around to a negative
+    one at sizes a mod meets (int32 and narrower signed ints: ``q_idx * 100_000_000`` does), so
+    that its sign is not known and a negative index's wrap-around must stay."""
+    if dtype.is_floating_point or dtype == torch.bool:
+        return False
+    info = torch.iinfo(dtype)
+    return info.min < 0 and info.bits <= 32
+
+
 _RANDOM = "random numbers differ between evaluations; capture a random tensor instead"
 _NO_PORTABLE = "it has no Triton implementation that also runs under the interpreter"
 #: Ops with no lowering, and why (the error names the op, the user's line and this reason).
@@ -122,7 +132,7 @@ class ModCodegen(ShapeOps):
         kernels, and the interpreter cannot combine a 0-d float comparison with ``&``; ``!= 0``
         turns it into a plain boolean (free on the GPU)."""
         expr = self.cast(v, torch.bool)
-        if v.const is None and v.dtype == torch.bool and not (v.deps & {"q", "kv", "score"}):
+        if v.const is None and not (v.deps & {"q", "kv", "score"}):
             return f"({expr} != 0)"
         return expr
 
@@ -438,7 +448,8 @@ class ModCodegen(ShapeOps):
         ea, eb = self.cast(a, compute), self.cast(b, compute)
         if alpha not in (None, 1):
             eb = f"({eb} * {literal(alpha, compute)})"
-        nonneg = a.nonneg and b.nonneg and op in "+*" and alpha in (None, 1)
+        nonneg = (a.nonneg and b.nonneg and op in "+*" and alpha in (None, 1)
+                  and not _may_wrap(compute))
         return self._finish_op(f"{ea} {op} {eb}", compute, out, self._deps(a, b), nonneg)
 
     def _op_add(self, node):
@@ -590,7 +601,7 @@ class ModCodegen(ShapeOps):
                 return self._const_result(1, out)
             x = self._emit(ea) if n > 1 else ea
             return self._finish_op(" * ".join([x] * n), compute, out, deps,
-                                   a.nonneg or n % 2 == 0)
+                                   (a.nonneg or n % 2 == 0) and not _may_wrap(compute))
         if compute.is_floating_point:
             if b.const is not None and float(b.const) == 0.5:
                 return self._finish_op(f"tl.sqrt({ea})", compute, out, deps, True)
@@ -599,7 +610,8 @@ class ModCodegen(ShapeOps):
                                        True)
             return self._finish_op(f"fl_pow_float({ea}, {self.cast(b, compute)})", compute, out,
                                    deps)
-        return self._finish_op(f"fl_pow_int({ea}, {self.cast(b, compute)})", compute, out, deps)
+        return self._finish_op(f"fl_pow_int({self.tensor_arg(a, compute)}, {self.cast(b, compute)})",
+                               compute, out, deps)
 
     # min / max / clamp ------------------------------------------------------
     def _minmax(self, fn: str, x: str, y: str, dtype: torch.dtype) -> str:
@@ -654,9 +666,23 @@ class ModCodegen(ShapeOps):
     # comparisons and logic ----------------------------------------------------
     def _compare(self, node: Node, op: str) -> Val:
         a, b = self.value(node.args[0]), self.value(node.args[1])
-        compute = opmath(self._promote(a, b))
+        common = self._promote(a, b)
+        compute = opmath(common)
+        if common in (torch.float16, torch.bfloat16):
+            # torch converts both sides to the common dtype first: a constant is rounded to it
+            # (f16(0.1) == 0.1 holds, and 1e5 becomes inf), the tensor side is exact in float32.
+            a, b = (self._rounded_const(v, common) for v in (a, b))
         return self._result(f"{self.cast(a, compute)} {op} {self.cast(b, compute)}", torch.bool,
                             self._deps(a, b), True)
+
+    @staticmethod
+    def _rounded_const(v: Val, dtype: torch.dtype) -> Val:
+        """``v``, a constant rounded to ``dtype`` (as float32), else ``v`` itself."""
+        if v.const is None or isinstance(v.const, bool):
+            return v
+        rounded = float(torch.tensor(float(v.const), dtype=dtype))
+        return Val(float_literal(rounded), torch.float32, v.deps, const=rounded, pyscalar=v.pyscalar,
+                   nonneg=rounded >= 0)
 
     def _logical(self, node, op: str) -> Val:
         a, b = self.value(node.args[0]), self.value(node.args[1])
@@ -703,6 +729,9 @@ class ModCodegen(ShapeOps):
         out = self._out_dtype(node)
         if out == torch.bool:
             return self._result(f"{self.cast(a, out)} == 0", out, a.deps, True)
+        if torch.iinfo(out).min == 0:  # unsigned: all bits flipped, without a -1 of that type
+            return self._result(f"{self.cast(a, out)} ^ {literal(torch.iinfo(out).max, out)}", out,
+                                a.deps, True)
         return self._result(f"~{self.cast(a, out)}", out, a.deps)
 
     def _shift(self, node, op: str) -> Val:
@@ -739,7 +768,8 @@ class ModCodegen(ShapeOps):
         (a,) = self._args(node)
         if not a.dtype.is_floating_point:
             return self._const_result(False, torch.bool)
-        return self._result(f"{a.expr} != {a.expr}", torch.bool, a.deps, True)
+        x = self._emit(self.cast(a, opmath(a.dtype)))  # the interpreter compares bfloat16 bits
+        return self._result(f"{x} != {x}", torch.bool, a.deps, True)
 
     def _op_isinf(self, node):
         (a,) = self._args(node)

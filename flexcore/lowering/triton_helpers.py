@@ -176,16 +176,21 @@ def fl_pow_float(x, y):
 
 @triton.jit
 def fl_pow_int(x, y):
-    # Integer power by squaring over the 31 low bits of a non-negative exponent.
+    # Integer power by squaring over the 31 low bits of a non-negative exponent; a negative one
+    # gives torch's integer results: 1 for a base of 1, +-1 for -1 (by parity), else 0.
     zero = x * 0 + (y * 0).to(x.dtype)
     result = zero + 1
     base = x + zero
     e = y + zero.to(y.dtype)
+    negative = e < 0
+    odd = (e & 1) != 0
+    e = tl.where(negative, 0, e)
     for _ in tl.static_range(31):
         result = tl.where((e & 1) != 0, result * base, result)
         base = base * base
         e = e >> 1
-    return result
+    unit = tl.where(x == 1, zero + 1, tl.where(x == -1, tl.where(odd, zero - 1, zero + 1), zero))
+    return tl.where(negative, unit, result)
 
 
 if _INTERPRET:

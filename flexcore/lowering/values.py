@@ -120,10 +120,16 @@ def literal(value, dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return f"tl.full([], {bool(value)}, tl.int1)"
     if dtype.is_floating_point:
+        if dtype == torch.bfloat16:
+            # Rounded here and converted exactly: the interpreter has no bfloat16 constants.
+            exact = float(torch.tensor(float(value), dtype=dtype))
+            return f"tl.full([], {float_literal(exact)}, tl.float32).to(tl.bfloat16)"
         text = float_literal(float(value))
         return text if dtype == torch.float32 else f"tl.full([], {text}, {TL_TYPES[dtype]})"
-    value = int(value)
-    if dtype == torch.int32 and -2**31 <= value < 2**31:
+    info = torch.iinfo(dtype)
+    # A Python int beyond the type wraps around, as torch converts it (int32 * 3_000_000_000).
+    value = (int(value) - info.min) % (1 << info.bits) + info.min
+    if dtype == torch.int32:
         return str(value) if value >= 0 else f"({value})"
     return f"tl.full([], {value}, {TL_TYPES[dtype]})"
 

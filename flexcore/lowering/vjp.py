@@ -501,7 +501,7 @@ class _VjpCodegen(_codegen.ModCodegen):
         off = " + ".join(offset) if offset else "0"
         vals = self.cast(value, torch.float64 if dtype == torch.float64 else torch.float32)
         self.lines.append("    if WRITE_CAPTURED_GRADS:")
-        if not ({"q", "kv"} & deps):
+        if not ({"q", "kv", "score"} & deps):
             # One address per tile (the index depends on b and h only): reduce, then one add.
             total = f"tl.sum(tl.sum(tl.where(valid, {vals}, 0.0), 1), 0)"
             self.lines.append(f"        _sm_grad_accumulate_one({p}_ptr + {off}, {total}, "

@@ -921,3 +921,34 @@ def test_reference_under_activation_checkpointing():
     plain = torch.autograd.grad(layer(x).sum(), (x, slopes))
     for a, b in zip(got, plain):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("form", ["sign_of_score", "bucket_of_score", "additive"])
+def test_gradient_of_a_table_indexed_by_the_score(form):
+    """A captured tensor indexed by a value of the score (not of q or kv): each position adds its
+    gradient at its own address (the backward summed the tile and added the total at every
+    address it read). Against autograd through the float64 reference."""
+    gen = torch.Generator().manual_seed(seed_of("score_index", form))
+    bias = torch.randn(2, 4, generator=gen, requires_grad=True)
+    mods = {
+        "sign_of_score": lambda score, b, h, q_idx, kv_idx: score * bias[h, (score > 0).long()],
+        "bucket_of_score": lambda score, b, h, q_idx, kv_idx:
+            score + bias[h, (score.abs() * 2).long().clamp_max(3)],
+        "additive": lambda score, b, h, q_idx, kv_idx: score + bias[h, (score > 0).long()],
+    }
+    score_mod = mods[form]
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=gen, requires_grad=True) for _ in range(3))
+    bm = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 64, 64,
+                           device=DEVICE, BLOCK_SIZE=32)
+    weights = torch.randn(1, 2, 64, 16, generator=gen)
+    tensors = (q, k, v, bias)
+    got = torch.autograd.grad((flex_attention(q, k, v, score_mod=score_mod, block_mask=bm) * weights).sum(),
+                              tensors)
+    gold = torch.autograd.grad((flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=bm)
+                                * weights).sum(), tensors)
+    base = torch.autograd.grad((flex_attention_reference(q, k, v, score_mod=score_mod, block_mask=bm,
+                                                         upcast=False) * weights).sum(), tensors)
+    from tests.flexcore.compare import rel_err
+
+    for name, g, expected, b in zip(("dq", "dk", "dv", "dbias"), got, gold, base):
+        assert rel_err(g, expected) <= 2 * rel_err(b, expected) + 1e-5, name

@@ -128,6 +128,11 @@ def _score_cases(device="cpu"):
                                          transposed, offset, w64, per_batch, half_bias))
     noncontig = wide[:, ::2]  # strides (2H, 2): exercises the stride parameters
     transposed = transposed.t()
+    bytes_u8 = torch.randint(0, 256, (Q_LEN,), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(13)).to(device)
+    nonfinite_bf16 = _rand(H, KV_LEN, seed=14, dtype=torch.bfloat16)
+    nonfinite_bf16[0, 3], nonfinite_bf16[1, 5], nonfinite_bf16[2, 7] = float("inf"), float("nan"), -float("inf")
+    nonfinite_bf16 = nonfinite_bf16.to(device)
 
     def t5_bucket(rel):
         # Bidirectional T5 buckets: 16 per direction, exact below 8, logarithmic up to 64.
@@ -217,6 +222,19 @@ def _score_cases(device="cpu"):
         "bool_arithmetic": lambda score, b, h, q_idx, kv_idx:
             score + ((q_idx > 3) & (kv_idx < 30) | ~(q_idx == kv_idx) ^ (b == 1)).float(),
         "python_float_return": lambda score, b, h, q_idx, kv_idx: 1.5,
+        # Integer powers with negative exponents (0, or +-1 for bases of +-1) and a literal base.
+        "int_pow_negative_exponent": lambda score, b, h, q_idx, kv_idx:
+            score + torch.pow(q_idx - 20, (kv_idx % 4) - 2) + 0.01 * torch.pow(2, q_idx % 10),
+        # int32 products that wrap to negative indices, which wrap around the table as in torch.
+        "int32_wrap_around_index": lambda score, b, h, q_idx, kv_idx:
+            score + table[(q_idx * 100000000) // 100000000] + wide[torch.fmod(kv_idx * 1000000007, KV_LEN), h],
+        "python_ints_beyond_int32": lambda score, b, h, q_idx, kv_idx:
+            score + (q_idx * 3000000000) * 1e-9 + (q_idx < 2**31) * 1.0,
+        "uint8_bitwise_not": lambda score, b, h, q_idx, kv_idx: score + (~bytes_u8[q_idx]) * 0.01,
+        "nan_to_num_bfloat16": lambda score, b, h, q_idx, kv_idx:
+            score + torch.nan_to_num(nonfinite_bf16[h, kv_idx]).float() * 1e-38,
+        "logical_and_of_a_head_float": lambda score, b, h, q_idx, kv_idx:
+            score + torch.logical_and(h * 1.0, q_idx >= kv_idx) * 1.0,
     }
     return cases
 
@@ -266,8 +284,11 @@ def _mask_cases(device="cpu"):
     per_head = torch.tensor([1, 0, 1], dtype=torch.uint8)
     shift = torch.tensor(2)
     doc_lengths = torch.tensor([9, 30, 3, 40])
-    doc_ids, prefix, keep_q, per_head, shift, doc_lengths = (
-        t.to(device) for t in (doc_ids, prefix, keep_q, per_head, shift, doc_lengths))
+    tenth_f16 = torch.full((KV_LEN,), 0.1, dtype=torch.float16)
+    big_f16 = torch.full((KV_LEN,), 30000.0, dtype=torch.float16)
+    doc_ids, prefix, keep_q, per_head, shift, doc_lengths, tenth_f16, big_f16 = (
+        t.to(device) for t in (doc_ids, prefix, keep_q, per_head, shift, doc_lengths, tenth_f16,
+                               big_f16))
     window = 6
 
     def causal(b, h, q_idx, kv_idx):
@@ -302,6 +323,9 @@ def _mask_cases(device="cpu"):
         "nested_index": lambda b, h, q_idx, kv_idx: kv_idx < doc_lengths[doc_ids[q_idx]],
         "constant_false": lambda b, h, q_idx, kv_idx: torch.zeros_like(q_idx, dtype=torch.bool),
         "bool_cast": lambda b, h, q_idx, kv_idx: ((q_idx - kv_idx) % 4).bool(),
+        # A Python float meets a float16 tensor in its dtype: f16(0.1) == 0.1, and 1e5 is inf.
+        "half_compared_with_python_floats": lambda b, h, q_idx, kv_idx:
+            (tenth_f16[kv_idx] == 0.1) & ~((big_f16[kv_idx] * 4.0) > 1e5) & (q_idx >= kv_idx),
     }
 
 
