@@ -610,46 +610,66 @@ _TOKENS = itertools.count(1)
 #: table it was converted under). They follow the table object into every BlockMask holding it
 #: (copies, dataclasses.replace, with_mask_mod) and leave with it.
 _TABLE_GUARDS = WeakIdKeyDictionary()
-#: The tables' version counters when a mask of them was built, per kv_num_blocks table and the ids
-#: of all eight tables: a mask rebuilt around the same tables later (torch.compile's ops rebuild
-#: the user's mask from its tables) checks edits against the first build, not its own.
+#: The tables' version counters as the latest mask built from them recorded them, per
+#: kv_num_blocks table and the ids of all eight tables (weak references tell a live table from a
+#: later tensor that reuses its id). torch.compile's ops see tables, not the user's mask: they
+#: key their rebuilt mask by this record and refuse tables edited in place since.
 _BUILT_VERSIONS = WeakIdKeyDictionary()
 _BUILT_PER_TABLE = 8
 
 
-def _table_ids(d: dict) -> tuple:
-    return tuple(id(d[name]) for name in _TABLES)
+def _table_ids(tables) -> tuple:
+    return tuple(map(id, tables))
 
 
-def _first_built(d: dict) -> dict | None:
-    """The versions recorded for a mask of exactly ``d``'s tables (the same objects, alive: an id
-    reused by a later tensor does not match), or None."""
-    built = _BUILT_VERSIONS.get(d["kv_num_blocks"])
-    entry = None if built is None else built.get(_table_ids(d))
+def recorded_versions(tables: tuple) -> tuple | None:
+    """The version of each of ``tables`` (in BlockMask field order; None where not watched) as
+    recorded by the latest mask built from exactly these table objects, or None."""
+    built = _BUILT_VERSIONS.get(tables[0])
+    entry = None if built is None else built.get(_table_ids(tables))
     if entry is None:
         return None
     refs, versions = entry
-    if any((r is not None and r() is not d[name]) for name, r in zip(_TABLES, refs)):
+    if any(r is not None and r() is not t for r, t in zip(refs, tables)):
         return None
     return versions
 
 
-def _record_built(d: dict, overwrite: bool) -> None:
-    """Keep the versions of a mask's watched tables (see _BUILT_VERSIONS): a mask whose contents
-    were checked (built from the user's tables, or a table assigned) records them; one built
-    from already checked tables (``overwrite`` False) only where no mask of them recorded yet."""
-    if not d["_watched"] or (not overwrite and _first_built(d) is not None):
+def check_recorded(tables: tuple, versions: tuple) -> None:
+    """InputError where one of ``tables`` moved from its recorded version (edited in place)."""
+    for name, table, version in zip(_TABLES, tables, versions):
+        if version is not None and table._version != version:
+            raise InputError(_edited_message(name, version, table._version))
+
+
+def _edited_message(name: str, version: int, now: int) -> str:
+    return (f"{name} was modified in place after the BlockMask was built; rebuild it with "
+            f"BlockMask.from_kv_blocks(...) (or create_block_mask). Its version counter "
+            f"moved from {version} to {now}: the tables a mask was built with "
+            f"must stay unchanged, since the kernels' schedules and the transposed "
+            f"tables were derived from them")
+
+
+def _record_built(d: dict, mode: str) -> None:
+    """Record a mask's watched versions (see _BUILT_VERSIONS). ``mode``: "latest" (a mask whose
+    contents the user vouched for: built by the constructor, or a table assigned), "first"
+    (flexcore built it from tables it checked, or a copy: only where nothing is recorded), "no"
+    (torch.compile's ops rebuilding a mask around the tables they were given)."""
+    if mode == "no" or not d["_watched"]:
         return
-    holder = d["kv_num_blocks"]
-    built = _BUILT_VERSIONS.get(holder)
+    tables = tuple(d[name] for name in _TABLES)
+    if mode == "first" and recorded_versions(tables) is not None:
+        return
+    built = _BUILT_VERSIONS.get(tables[0])
     if built is None:
-        built = _BUILT_VERSIONS[holder] = {}
-    ids = _table_ids(d)
+        built = _BUILT_VERSIONS[tables[0]] = {}
+    ids = _table_ids(tables)
     built.pop(ids, None)
     if len(built) >= _BUILT_PER_TABLE:
         built.pop(next(iter(built)))
-    refs = tuple(None if d[name] is None else weakref.ref(d[name]) for name in _TABLES)
-    built[ids] = (refs, {name: version for name, _, version in d["_watched"]})
+    watched = {name: version for name, _, version in d["_watched"]}
+    built[ids] = (tuple(None if t is None else weakref.ref(t) for t in tables),
+                  tuple(watched.get(name) for name in _TABLES))
 
 
 def _checked_mask_mod(mask_mod) -> MaskMod:
@@ -780,25 +800,26 @@ class BlockMask:
     def __post_init__(self):
         d = self.__dict__
         trusted = d.pop("_trusted", False)
-        d["_trusted_build"] = trusted
+        record = d.pop("_record", "first" if trusted else "latest")
         d["seq_lengths"] = _seq_lengths_pair(self.seq_lengths)
         d["BLOCK_SIZE"] = _block_size_pair(self.BLOCK_SIZE)
         d["mask_mod"] = _checked_mask_mod(self.mask_mod)
         _check_tables(d)
         if not trusted:
             _validate_tables(d)
-        self._seal()
+        self._seal(record=record)
 
     @classmethod
-    def _trusted(cls, **fields) -> BlockMask:
+    def _trusted(cls, record: str = "first", **fields) -> BlockMask:
         """A BlockMask of tables that flexcore built or already checked: their structure is
-        checked, their contents are not read."""
+        checked, their contents are not read. ``record``: see _record_built."""
         mask = cls.__new__(cls)
         mask.__dict__["_trusted"] = True
+        mask.__dict__["_record"] = record
         mask.__init__(**fields)
         return mask
 
-    def _seal(self, fresh: tuple[str, ...] = ()) -> None:
+    def _seal(self, fresh: tuple[str, ...] = (), record: str = "first") -> None:
         """Record the tables' versions (see _watch) and guards and take a new token; assignments
         are checked from now on."""
         d = self.__dict__
@@ -809,15 +830,7 @@ class BlockMask:
                         else ())
         d["_token"] = next(_TOKENS)
         d["_ready"] = True
-        _record_built(d, overwrite=bool(fresh) or not d.get("_trusted_build", False))
-
-    def _watch_as_first_built(self) -> None:
-        """Take the table versions recorded when a mask of these same tables was first built, so
-        that :meth:`check_unmodified` refuses edits made before this mask was made too."""
-        d = self.__dict__
-        first = _first_built(d)
-        if first is not None:
-            d["_watched"] = tuple((name, t, first.get(name, v)) for name, t, v in d["_watched"])
+        _record_built(d, "latest" if fresh else record)
 
     def __setattr__(self, name, value):
         d = self.__dict__
@@ -856,7 +869,8 @@ class BlockMask:
         return {f.name: self.__dict__[f.name] for f in dataclasses.fields(self)}
 
     def __setstate__(self, state):
-        # Copies and unpickled masks hold new tensors: their versions are recorded afresh.
+        # A copy keeps the versions its original recorded for the same tables (an edit in place
+        # since is still refused); unpickled masks hold new tensors, watched from now on.
         self.__dict__.update(state)
         self._seal()
 
@@ -880,12 +894,7 @@ class BlockMask:
         d = self.__dict__
         for name, table, version in d["_watched"]:
             if table._version != version:
-                raise InputError(
-                    f"{name} was modified in place after the BlockMask was built; rebuild it with "
-                    f"BlockMask.from_kv_blocks(...) (or create_block_mask). Its version counter "
-                    f"moved from {version} to {table._version}: the tables a mask was built with "
-                    f"must stay unchanged, since the kernels' schedules and the transposed "
-                    f"tables were derived from them")
+                raise InputError(_edited_message(name, version, table._version))
         for guard in d["_guards"]:
             guard()
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from flexcore.blockmask import check_recorded, recorded_versions
 from flexcore.errors import ControlFlowError, InputError, ModError
 from flexcore.lowering.indexcheck import decided_without_evaluation
 from flexcore.lowering.trace import _CONTROL_FLOW, control_flow_message
@@ -61,7 +62,13 @@ def _index_list(tensor: Tensor, index) -> tuple[Tensor, list] | None:
     something else. Tensor indices must not become Python ints, as ``Tensor.__getitem__`` makes
     a 0-d one beside a slice: under Dynamo that reads a value not known while tracing."""
     items = list(index) if isinstance(index, tuple) else [index]
-    if not any(isinstance(i, Tensor) for i in items):
+    tensors = [i for i in items if isinstance(i, Tensor)]
+    if not tensors or any(t.dtype == torch.bool for t in tensors):
+        return None
+    if any(t.dim() for t in tensors) and any(isinstance(i, int) for i in items):
+        # Beside a tensor of several positions, torch places the dimensions of Python ints' and
+        # tensors' results its own way, not as the conversion here would; such an index reads no
+        # 0-d value, so torch's own indexing serves it.
         return None
     if any(i is Ellipsis for i in items):
         at = items.index(Ellipsis)
@@ -513,7 +520,10 @@ def block_mask_of(spec: CallSpec, lowered: Lowered, tables, block, mask_caps, nu
         return attention.full_block_mask(query.shape[2], key.shape[2], query.device)
     holder = tables[0]
     block = tuple(block)
-    ident = (lowered.mask.key, block, numbers[2:], tuple(map(id, tables)), tuple(map(id, mask_caps)))
+    # The record of the user's mask: a mask built anew over refilled tables gets a new one, and
+    # the per-mask caches of the old contents (schedules, statistics) are not reused.
+    ident = (lowered.mask.key, block, numbers[2:], tuple(map(id, tables)), tuple(map(id, mask_caps)),
+             recorded_versions(tuple(tables)))
     kept = holder.__dict__.get("_flexcore_masks")
     if kept is not None:
         mask = kept.get(ident)
@@ -526,10 +536,9 @@ def block_mask_of(spec: CallSpec, lowered: Lowered, tables, block, mask_caps, nu
     program, _, name = spec.mask
     # The tables are the user's mask's own (or copies of them in a CUDA graph's static inputs):
     # checked when that mask was built, so their contents are not read again.
-    mask = BlockMask._trusted(seq_lengths=block[2:], BLOCK_SIZE=block[:2],
+    mask = BlockMask._trusted(record="no", seq_lengths=block[2:], BLOCK_SIZE=block[:2],
                               mask_mod=replay(program, name, list(mask_caps), *numbers[2:]),
                               **dict(zip(_TABLES, tables)))
-    mask._watch_as_first_built()
     if len(kept) >= _MASKS_PER_TABLE:
         kept.pop(next(iter(kept)))
     kept[ident] = mask
@@ -559,9 +568,13 @@ def _prepare(call, tables, block, score_caps, mask_caps, numbers, query, key):
     and shapes every time: that call's result is kept (on the kv_num_blocks table, so it leaves
     with the mask, or in a small module cache without one) and found with one dict lookup. Index
     checks that read captured values still run at every call where they apply."""
-    ident = (call, numbers, *block, *map(id, tables), *map(id, score_caps), *map(id, mask_caps),
-             *query.shape, *key.shape)
     holder = tables[0]
+    # Tables edited in place since the user's mask was built are refused, as in eager calls.
+    recorded = None if holder is None else recorded_versions(tuple(tables))
+    if recorded is not None:
+        check_recorded(tables, recorded)
+    ident = (call, numbers, *block, *map(id, tables), *map(id, score_caps), *map(id, mask_caps),
+             *query.shape, *key.shape, recorded)
     kept = _prepared_calls if holder is None else holder.__dict__.get("_flexcore_prepared")
     entry = None if kept is None else kept.get(ident)
     if entry is None:
@@ -574,8 +587,6 @@ def _prepare(call, tables, block, score_caps, mask_caps, numbers, query, key):
     elif not entry.checked:
         spec, _, _, score, mask = entry.result
         _check_indices(spec, score, mask, query, key)
-    if holder is not None:  # tables edited in place since the user's mask was built: refused
-        entry.result[2].check_unmodified()
     return entry.result
 
 

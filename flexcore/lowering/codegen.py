@@ -28,6 +28,22 @@ def _may_wrap(dtype: torch.dtype) -> bool:
     return info.min < 0 and info.bits <= 32
 
 
+def _unsigned(dtype: torch.dtype) -> bool:
+    return dtype == torch.bool or (not dtype.is_floating_point and torch.iinfo(dtype).min == 0)
+
+
+def _holds(dst: torch.dtype, src: torch.dtype) -> bool:
+    """Whether a cast to ``dst`` keeps a non-negative ``src`` value non-negative: floats do, and
+    ints that hold the whole of an int ``src`` (a float, or an int64 narrowed to int32, may wrap
+    around to a negative value)."""
+    if dst.is_floating_point or dst == torch.bool or src == torch.bool:
+        return True
+    if src.is_floating_point:
+        return False
+    wide, narrow = torch.iinfo(dst), torch.iinfo(src)
+    return wide.min <= narrow.min and narrow.max <= wide.max
+
+
 _RANDOM = "random numbers differ between evaluations; capture a random tensor instead"
 _NO_PORTABLE = "it has no Triton implementation that also runs under the interpreter"
 #: Ops with no lowering, and why (the error names the op, the user's line and this reason).
@@ -787,7 +803,7 @@ class ModCodegen(ShapeOps):
         if out == a.dtype:
             return a
         return Val(self._emit(self.cast(a, out)), out, a.deps,
-                   nonneg=a.nonneg or out == torch.bool)
+                   nonneg=(a.nonneg and _holds(out, a.dtype)) or _unsigned(out))
 
     # more elementwise ops -------------------------------------------------------
     def tensor_arg(self, v: Val, dtype: torch.dtype) -> str:

@@ -9,6 +9,8 @@ interpreter, at tiny shapes.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 
 import pytest
@@ -414,6 +416,20 @@ def test_tables_edited_in_place_are_refused_as_in_eager(when):
     for call in (fn, compiled):
         with pytest.raises(InputError, match="kv_num_blocks was modified in place"):
             call(q, k, v).sum().backward()
+    copy.copy(bm)  # a copy over the same tables keeps their recorded versions
+    with pytest.raises(InputError, match="kv_num_blocks was modified in place"):
+        compiled(q, k, v)
+
+    # Tables refilled in place (here with their first contents) and a mask built anew over them:
+    # the user vouches for the contents again, so it runs, with caches of its own.
+    bm.kv_num_blocks[0, 0, 1] = 1
+    masks["bm"] = BlockMask(**{f.name: getattr(bm, f.name) for f in dataclasses.fields(bm)})
+    weights = torch.randn(q.shape)
+    out, grads = run_attention(lambda: compiled(q, k, v), [q, k, v], weights)
+    eager = run_attention(lambda: fn(q, k, v), [q, k, v], weights)
+    torch.testing.assert_close(out, eager[0], rtol=0, atol=0)
+    for got, expected in zip(grads, eager[1]):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
     masks["bm"] = BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
                                            bm.full_kv_indices, BLOCK_SIZE=32, mask_mod=causal,

@@ -228,6 +228,9 @@ def _score_cases(device="cpu"):
         # int32 products that wrap to negative indices, which wrap around the table as in torch.
         "int32_wrap_around_index": lambda score, b, h, q_idx, kv_idx:
             score + table[(q_idx * 100000000) // 100000000] + wide[torch.fmod(kv_idx * 1000000007, KV_LEN), h],
+        # An int64 product narrowed to int32 wraps to negative indices too.
+        "narrowing_cast_wraps_index": lambda score, b, h, q_idx, kv_idx:
+            score + table[(q_idx.long() * 3000000000).int() // 1000000000],
         "python_ints_beyond_int32": lambda score, b, h, q_idx, kv_idx:
             score + (q_idx * 3000000000) * 1e-9 + (q_idx < 2**31) * 1.0,
         "uint8_bitwise_not": lambda score, b, h, q_idx, kv_idx: score + (~bytes_u8[q_idx]) * 0.01,
