@@ -493,6 +493,15 @@ class ModCodegen(ShapeOps):
             raise self._error(ModError, f"integer division by zero in {node.target} (torch raises "
                               "ZeroDivisionError here); divide by a nonzero value", node=node)
 
+    def _division_operands(self, a: Val, b: Val, compute: torch.dtype) -> tuple[str, str, torch.dtype]:
+        """Operands of an integer division or remainder and the type it runs in: int8 and int16
+        values (constants converted to them first, as torch does) in int32, where the helpers'
+        absolute values cannot overflow at -128 or -32768; others in ``compute``."""
+        ea, eb = self.cast(a, compute), self.cast(b, compute)
+        if _may_wrap(compute) and torch.iinfo(compute).bits < 32:
+            return cast_expr(f"({ea})", torch.int32), cast_expr(f"({eb})", torch.int32), torch.int32
+        return ea, eb, compute
+
     def _op_div(self, node):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         mode = node.kwargs.get("rounding_mode")
@@ -506,11 +515,14 @@ class ModCodegen(ShapeOps):
             return self._finish_op(f"{ea} / {eb}", compute, out, deps)
         nonneg = a.nonneg and b.nonneg
         if mode == "floor":
-            fn = "fl_div_floor_float" if compute.is_floating_point else "fl_div_floor_int"
-            return self._finish_op(f"{fn}({ea}, {eb})", compute, out, deps, nonneg)
+            if compute.is_floating_point:
+                return self._finish_op(f"fl_div_floor_float({ea}, {eb})", compute, out, deps, nonneg)
+            ea, eb, work = self._division_operands(a, b, compute)
+            return self._finish_op(f"fl_div_floor_int({ea}, {eb})", work, out, deps, nonneg)
         if compute.is_floating_point:
             return self._finish_op(f"fl_trunc({ea} / {eb})", compute, out, deps, nonneg)
-        return self._finish_op(f"fl_div_trunc_int({ea}, {eb})", compute, out, deps, nonneg)
+        ea, eb, work = self._division_operands(a, b, compute)
+        return self._finish_op(f"fl_div_trunc_int({ea}, {eb})", work, out, deps, nonneg)
 
     def _op_floor_divide(self, node):
         a, b = self.value(node.args[0]), self.value(node.args[1])
@@ -518,8 +530,8 @@ class ModCodegen(ShapeOps):
         compute = opmath(out)
         self._int_divisor(node, b, compute)
         fn = "fl_div_floor_float" if compute.is_floating_point else "fl_div_floor_int"
-        return self._finish_op(f"{fn}({self.cast(a, compute)}, {self.cast(b, compute)})", compute,
-                               out, self._deps(a, b), a.nonneg and b.nonneg)
+        ea, eb, work = self._division_operands(a, b, compute)
+        return self._finish_op(f"{fn}({ea}, {eb})", work, out, self._deps(a, b), a.nonneg and b.nonneg)
 
     def _op_remainder(self, node):
         a, b = self.value(node.args[0]), self.value(node.args[1])
@@ -527,20 +539,20 @@ class ModCodegen(ShapeOps):
         compute = opmath(out)
         self._int_divisor(node, b, compute)
         fn = "fl_remainder_float" if compute.is_floating_point else "fl_remainder_int"
-        return self._finish_op(f"{fn}({self.cast(a, compute)}, {self.cast(b, compute)})", compute,
-                               out, self._deps(a, b), b.nonneg)
+        ea, eb, work = self._division_operands(a, b, compute)
+        return self._finish_op(f"{fn}({ea}, {eb})", work, out, self._deps(a, b), b.nonneg)
 
     def _op_fmod(self, node):
         a, b = self.value(node.args[0]), self.value(node.args[1])
         out = self._out_dtype(node)
         compute = opmath(out)
         self._int_divisor(node, b, compute)
-        ea, eb = self.cast(a, compute), self.cast(b, compute)
+        ea, eb, work = self._division_operands(a, b, compute)
         if compute.is_floating_point:
             expr = f"{ea} % {eb}"
         else:
             expr = f"{ea} - fl_div_trunc_int({ea}, {eb}) * {eb}"
-        return self._finish_op(expr, compute, out, self._deps(a, b), a.nonneg)
+        return self._finish_op(expr, work, out, self._deps(a, b), a.nonneg)
 
     def _op_neg(self, node):
         (a,) = self._args(node)

@@ -231,6 +231,12 @@ def _score_cases(device="cpu"):
         # An int64 product narrowed to int32 wraps to negative indices too.
         "narrowing_cast_wraps_index": lambda score, b, h, q_idx, kv_idx:
             score + table[(q_idx.long() * 3000000000).int() // 1000000000],
+        # int8/int16 division and remainder at -128 and beyond (their absolute value overflows).
+        "int8_floor_division_at_its_minimum": lambda score, b, h, q_idx, kv_idx:
+            score + ((q_idx.to(torch.int8) * 100) // 100).float(),
+        "narrow_int_remainders": lambda score, b, h, q_idx, kv_idx:
+            score + ((q_idx.to(torch.int8) * 100) % 7) + torch.fmod(kv_idx.to(torch.int16) * 1000, 300)
+            + torch.div(q_idx.to(torch.int8) * 3, -7, rounding_mode="trunc"),
         "python_ints_beyond_int32": lambda score, b, h, q_idx, kv_idx:
             score + (q_idx * 3000000000) * 1e-9 + (q_idx < 2**31) * 1.0,
         "uint8_bitwise_not": lambda score, b, h, q_idx, kv_idx: score + (~bytes_u8[q_idx]) * 0.01,
