@@ -499,7 +499,7 @@ def _prepared(query, key, value, block_mask, scale, enable_gqa, kernel_options, 
     if call is not None:
         mask = call.mask_ref()
         if mask is not None and (block_mask is None or mask is block_mask):
-            return call, mask
+            return call, mask._within(query.shape[2], key.shape[2])
     validate_inputs(query, key, value, block_mask, scale, enable_gqa)
     opts = KernelOptions.from_any(kernel_options)
     if query.dtype == FP8_DTYPE:  # the FP8 rules (flexcore.kernels.policy.fp8_policy)
@@ -517,7 +517,7 @@ def _prepared(query, key, value, block_mask, scale, enable_gqa, kernel_options, 
             _calls.clear()
         _calls[ident] = call
         weakref.finalize(block_mask, _calls.pop, ident, None)
-    return call, block_mask
+    return call, block_mask._within(query.shape[2], key.shape[2])
 
 
 def _eager(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options, want_max,

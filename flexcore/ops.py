@@ -528,7 +528,7 @@ def block_mask_of(spec: CallSpec, lowered: Lowered, tables, block, mask_caps, nu
     if kept is not None:
         mask = kept.get(ident)
         if mask is not None:
-            return mask
+            return mask._within(query.shape[2], key.shape[2])
     else:
         kept = holder.__dict__["_flexcore_masks"] = {}
     from flexcore.blockmask import BlockMask
@@ -542,7 +542,7 @@ def block_mask_of(spec: CallSpec, lowered: Lowered, tables, block, mask_caps, nu
     if len(kept) >= _MASKS_PER_TABLE:
         kept.pop(next(iter(kept)))
     kept[ident] = mask
-    return mask
+    return mask._within(query.shape[2], key.shape[2])
 
 
 class _Prepared:
@@ -971,6 +971,10 @@ def inline_call(args: tuple, switch: str | None = None):
     numbers = (tuple(score_ints), tuple(score_floats), tuple(mask_ints), tuple(mask_floats))
     if not inline_forward(spec, query, key, value, (*block, *(x for n in numbers for x in n), scale), switch):
         return None
+    kv_indices = args[4]
+    if kv_indices is not None and (kv_indices.shape[-2] * block[0] >= query.shape[2] + block[0]
+                                   or kv_indices.shape[-1] * block[1] >= key.shape[2] + block[1]):
+        return None  # tables past the lengths: flexcore's op serves it (BlockMask._within)
     attention.ready()
     lowered = spec.lowered(numbers)
     score, mask = spec.bind(lowered, score_captured, mask_captured)

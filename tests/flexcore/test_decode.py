@@ -341,3 +341,37 @@ def test_decode_step_replays_in_a_cuda_graph():
         ref_bm = create_block_mask(ref_mask, B, None, 1, S, device=dev)
         assert_matches_reference(q, k, v, ref_score, ref_bm, out.clone(), lse.clone(),
                                  f"replay at offsets {positions}")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("L", [1, 20, 32], ids=["decode", "forward", "backward"])
+def test_tables_that_cover_more_than_the_lengths(L, compiled):
+    """The FlexDecoding recipe on a mask made for a longer sequence than the call's: rows sliced,
+    mask_mod and seq_lengths assigned, and the tables still list blocks past KV_LEN (a multiple
+    of the block size, so the kernels do not bound their loads by it). The kernels read a mask
+    without them (BlockMask._within): they read past K/V, and past Q in the backward, before.
+    Against float64, gradients included."""
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(seed_of("tables_past_lengths", L, compiled))
+    S = 64
+    full = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx >= 0, None, None, 128, 128,
+                             device="cpu", BLOCK_SIZE=16)
+    bm = full[:, :, 0:-(-L // 16)]
+    bm.mask_mod = lambda b, h, q_idx, kv_idx: q_idx + (S - L) >= kv_idx
+    bm.seq_lengths = (L, S)
+    q = torch.randn(1, 2, L, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, S, 16, generator=gen, requires_grad=True) for _ in range(2))
+    weights = torch.randn(1, 2, L, 16, generator=gen)
+
+    def call(q, k, v):
+        return flex_attention(q, k, v, block_mask=bm)
+
+    fn = torch.compile(call, fullgraph=True, backend="aot_eager") if compiled else call
+    out = fn(q, k, v)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    gold = flex_attention_reference(q, k, v, block_mask=bm)
+    gold_grads = torch.autograd.grad((gold * weights).sum(), (q, k, v))
+    torch.testing.assert_close(out, gold.float(), rtol=1e-4, atol=1e-5)
+    for got, expected in zip(grads, gold_grads):
+        torch.testing.assert_close(got, expected.float(), rtol=1e-4, atol=1e-4)
