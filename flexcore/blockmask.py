@@ -910,35 +910,20 @@ class BlockMask:
 
     def _within(self, q_len: int, kv_len: int) -> BlockMask:
         """This mask, or where its tables cover more blocks than ``q_len`` queries and ``kv_len``
-        keys need (lengths assigned smaller, or a mask made for a longer cache), the same mask
-        without the rows and listed blocks past them: the kernels read no position past the
-        lengths. Kept per (lengths, state); edits to this mask's tables are refused through it."""
+        keys need (lengths assigned smaller, or a mask made for a longer cache), :meth:`_adjust`'s
+        crop to them: the kernels read no position past the lengths. Kept per (lengths, state);
+        edits to this mask's tables are refused through it."""
         d = self.__dict__
         bq, bkv = d["BLOCK_SIZE"]
-        nq, nkv = -(-q_len // bq), -(-kv_len // bkv)
         rows, cols = d["kv_indices"].shape[-2:]
-        if rows <= nq and cols <= nkv:
+        if rows <= _cdiv(q_len, bq) and cols <= _cdiv(kv_len, bkv):
             return self
         key = (q_len, kv_len, d["_token"])
         kept = d.get("_within_lengths")
         if kept is not None and kept[0] == key:
             return kept[1]
-        tables = {}
-        for kind, n_rows, n_listed in (("kv", nq, nkv), ("q", nkv, nq)):
-            for prefix in ("", "full_"):
-                num, idx = d[f"{prefix}{kind}_num_blocks"], d[f"{prefix}{kind}_indices"]
-                if idx is None:
-                    tables[f"{prefix}{kind}_num_blocks"] = tables[f"{prefix}{kind}_indices"] = None
-                    continue
-                num, idx = num[..., :n_rows], idx[..., :n_rows, :]
-                listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
-                # Rows list their blocks in increasing order: those in range come first.
-                tables[f"{prefix}{kind}_num_blocks"] = (listed & (idx < n_listed)).sum(-1, dtype=torch.int32)
-                tables[f"{prefix}{kind}_indices"] = idx[..., :n_listed].contiguous()
-        within = type(self)._trusted(record="no", seq_lengths=d["seq_lengths"], BLOCK_SIZE=d["BLOCK_SIZE"],
-                                     mask_mod=d["mask_mod"], **tables)
+        within = self._adjust(q_len, kv_len)
         within.__dict__["_watched"] = d["_watched"]
-        within.__dict__["_guards"] = d["_guards"]
         d["_within_lengths"] = (key, within)
         return within
 
