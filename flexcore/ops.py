@@ -600,7 +600,6 @@ def _check_indices(spec: CallSpec, score, mask, query: Tensor, key: Tensor) -> N
                                 key.shape[2], spec.opts)
 
 
-
 def _prepare_new(call, tables, block, score_caps, mask_caps, numbers, query, key) -> _Prepared:
     from flexcore import attention
     from flexcore._runtime import use_interpreter
