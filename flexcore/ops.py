@@ -805,6 +805,9 @@ def _setup_context(ctx, inputs, output):
     sinks = rest[_N_AFTER_TABLES] if len(rest) > _N_AFTER_TABLES else None
     out, lse, row_stats = output
     ctx.mark_non_differentiable(row_stats)
+    # An output without a gradient reaches the backward as None, not as zeros: under torch.compile a
+    # materialised zero gradient is one more kernel launch per step.
+    ctx.set_materialize_grads(False)
     # The sinks' gradient reads the forward's lse (p_sink = exp(sink - lse)).
     ctx.save_for_backward(query, key, value, out, row_stats, *[t for t in tables if t is not None],
                           *score_captured, *mask_captured, *(() if sinks is None else (lse, sinks)))

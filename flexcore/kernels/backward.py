@@ -401,6 +401,26 @@ def _preprocess_launch(out, grad_out, p_from_lse: bool, has_grad_lse: bool, delt
     return (math.ceil(L / block_m), B * Hq), fixed, constexprs
 
 
+def _row_terms(out, grad_out, row_stats, grad_lse, acc, p_from_lse: bool, delta_from_out: bool):
+    """(delta, lse2 or None) as flex_bwd_preprocess writes them, from torch ops: inside a compiled
+    step Inductor fuses them into one reduction that its own launcher starts, cheaper on the host
+    than a user kernel's launch (docs/decisions.md#compiled-host-path)."""
+    if delta_from_out:
+        delta = (out.to(acc) * grad_out.to(acc)).sum(-1)
+        if grad_lse is not None:
+            delta = delta - grad_lse.to(acc)
+    else:  # the PHASE 3 pass adds rowsum(P * dP) to -dlse
+        delta = (-grad_lse.to(acc) if grad_lse is not None
+                 else out.new_zeros(out.shape[:3], dtype=acc))
+    lse2 = None
+    if p_from_lse:  # lse2 = m + log2(l); rows without a kept key (1/l = 0) get +inf, so p = 0
+        m, inv_l = row_stats.unbind(0)
+        empty = inv_l == 0
+        lse2 = torch.where(empty, torch.inf,
+                           torch.where(empty, 0.0, m) - torch.log2(torch.where(empty, 1.0, inv_l))).contiguous()
+    return delta.contiguous(), lse2
+
+
 def _summed_delta(row_terms, slot: int, grad_lse):
     """A sink's delta from the dQ programs' row sums (slot ``slot`` of ``row_terms``): rowsum(P * dP)
     - grad_lse, as the PHASE 3 pass stores it."""
@@ -766,18 +786,9 @@ def backward_inline(q, k, v, out, row_stats, grad_out, grad_lse, score_lowered, 
                             policy.fused != "off" and dkdv_tiles[2].get("num_warps") == dq_tiles[2].get("num_warps"))
     module = backward_module(score_lowered, score_bwd_lowered, mask_lowered)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    delta = torch.empty((B, Hq, L), dtype=acc, device=q.device)
-    lse2 = torch.empty((B, Hq, L), dtype=acc, device=q.device) if choice.p_from_lse else None
-    grad_lse = _check_grad_lse(grad_lse, q, row_stats.dtype)
     row_stats = row_stats.contiguous()
-    pre = module.flex_bwd_preprocess
-    pre_grid, pre_fixed, pre_constexprs = _preprocess_launch(out, grad_out, choice.p_from_lse, grad_lse is not None,
-                                                             not choice.exact_delta)
-    for name, default in _constexpr_defaults(pre).items():
-        pre_constexprs.setdefault(name, default)
-    wrap_triton(pre)[(*pre_grid, 1)](
-        out, grad_out, delta, row_stats, unread(dtype=acc) if lse2 is None else lse2,
-        unread(dtype=acc) if grad_lse is None else grad_lse, *pre_fixed, **pre_constexprs)
+    delta, lse2 = _row_terms(out, grad_out, row_stats, _check_grad_lse(grad_lse, q, row_stats.dtype), acc,
+                             choice.p_from_lse, not choice.exact_delta)
 
     captured = score_lowered.captured
     grad_buffers, grad_args = _grad_buffers(captured, score_bwd_lowered.grad_of, opts.deterministic, q.device)

@@ -911,3 +911,38 @@ def test_prepared_calls_are_reused_and_follow_the_mask(monkeypatch):
     assert len(checks) == 2
     torch.testing.assert_close(out, flex_attention_reference(q, k, v, block_mask=bm).float(),
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["out", "lse"])
+def test_unused_output_gradient_arrives_as_none(loss, monkeypatch):
+    """The forward ops' registered backward gets None, not a materialised zero tensor, for an
+    output the loss does not read (under torch.compile each zero gradient is one more launch per
+    step); a loss on the lse alone still gives the float64 reference's gradients."""
+    from flexcore.kernels.policy import DispatchPolicy
+
+    policy = DispatchPolicy().replace(launch={"inline": "on", "inline_backward": "on"})
+    args, q, k, v, bm = _inline_args(None, causal, 64, H, H, policy, seed_of(loss))
+    seen = []
+    backward = ops._backward
+
+    def spy(ctx, grad_out, grad_lse, grad_row_stats, op=None):
+        seen.append((grad_out is None, grad_lse is None, grad_row_stats is None))
+        return backward(ctx, grad_out, grad_lse, grad_row_stats, op=op)
+
+    monkeypatch.setattr(ops, "_backward", spy)
+    for op in (torch.ops.flexcore.flex_attention_forward_inline, torch.ops.flexcore.flex_attention_forward):
+        o, lse, _ = op(*args)
+        grads = torch.autograd.grad(o.sum() if loss == "out" else lse.sum(), (q, k, v))
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        o_ref, lse_ref = flex_attention_reference(*leaves, block_mask=bm, return_lse=True)
+        gold = torch.autograd.grad(o_ref.sum() if loss == "out" else lse_ref.sum(), leaves, allow_unused=True,
+                                   materialize_grads=True)
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o_base, lse_base = flex_attention_reference(*leaves, block_mask=bm, return_lse=True, upcast=False)
+        base = torch.autograd.grad(o_base.sum() if loss == "out" else lse_base.sum(), leaves, allow_unused=True,
+                                   materialize_grads=True)
+        for name, ours, ref, same in zip("qkv", grads, gold, base):
+            assert_close_to_reference(ours, ref, same, name=f"{loss} d{name}", metric="rel_fro")
+    # The inline op's backward looks ``_backward`` up per call; flexcore's op, bound at registration,
+    # shares its setup_context, and with it the rule.
+    assert seen == [(loss == "lse", loss == "out", True)]

@@ -1,6 +1,6 @@
 """The inline compiled ops as Inductor's AOT stage traces them on CUDA, checked on a machine without
 a GPU (tests/flexcore/trace_inline.py, in its own process): their bodies trace over fake CUDA
-tensors into Triton launches alone, and Inductor's analysis of each kernel finds the buffers it
+tensors into Triton launches (and, in the backward, the torch ops of the rows' delta), and Inductor's analysis of each kernel finds the buffers it
 writes, never an input it only reads (an input it took for written would be cloned at every call,
 and two arguments sharing a buffer, as a tensor that both mods capture, would then fail to
 functionalize)."""
@@ -56,9 +56,13 @@ def test_inline_backward_traces_to_its_launches(case):
     mask, *extra = case
     got = trace("backward", mask, *extra)
     grads = {"sm_g0_ptr"} if "grad" in extra else set()
-    expected = [("flex_bwd_preprocess", None, {"Delta", "LSE2"})]
+    expected = []
     if "grad" in extra:  # captured gradients: delta from the backward's own probabilities first
         expected.append(("flex_bwd_kernel", 3, {"DELTA"}))
+    else:  # the rows' delta, rowsum(dO * O) - dlse, from torch ops that Inductor fuses and launches
+        assert {"aten.mul.Tensor", "aten.sum.dim_IntList", "aten.sub.Tensor"} <= set(got["aten"]), got["aten"]
+    # lse2 = m + log2(l) for the 16-bit inputs' probabilities
+    assert "aten.log2.default" in got["aten"], got["aten"]
     if "two" in extra:
         expected += [("flex_bwd_kernel", 1, {"DK", "DV"} | grads), ("flex_bwd_kernel", 2, {"DQ"})]
     else:

@@ -137,7 +137,9 @@ def main(argv: list[str]) -> None:
                                                if isinstance(v, torch.fx.Node))})
     other = sorted({str(n.target) for n in graph.graph.nodes if n.op == "call_function"
                     and "flexcore" in str(n.target)})
-    print(json.dumps({"launches": launches, "fallbacks": len(fallbacks), "flexcore_ops": other}))
+    aten = sorted({str(n.target) for n in graph.graph.nodes if n.op == "call_function"
+                   and str(n.target).startswith("aten.")})
+    print(json.dumps({"launches": launches, "fallbacks": len(fallbacks), "flexcore_ops": other, "aten": aten}))
 
 
 if __name__ == "__main__":
