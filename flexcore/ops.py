@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from flexcore.blockmask import check_recorded, recorded_versions
-from flexcore.errors import ControlFlowError, InputError, ModError
+from flexcore.errors import ControlFlowError, InputError, ModError, UnsupportedOpError
 from flexcore.lowering.indexcheck import decided_without_evaluation
 from flexcore.lowering.trace import _CONTROL_FLOW, control_flow_message
 
@@ -187,23 +187,58 @@ class Recorded(NamedTuple):
     floats: list
 
 
-def record(mod, kind: str, score_dtype: torch.dtype, device: torch.device) -> Recorded:
-    """Run ``mod`` on 0-d stand-ins of its arguments and record what it computes."""
-    inputs = [torch.zeros((), dtype=torch.int32, device=device) for _ in range(4)]
+# A recording's refusal (program[2]) where the mod computed a tensor that the recorder did not see.
+_UNTRACKED = "\x00untracked"
+UNTRACKED_MESSAGE = (
+    "the mod computes a tensor that torch.compile does not show to flexcore (Python's builtin "
+    "abs(), pow() or round() on a tensor are evaluated by torch.compile itself), so the compiled "
+    "kernel would read it as a constant. Use torch.abs / torch.pow / torch.round, or the tensor's "
+    "own methods (x.abs()), instead")
+
+
+def _recorded_once(mod, kind: str, score_dtype: torch.dtype, device: torch.device, dims: int = 0):
+    shape = (1,) * dims
+    inputs = [torch.zeros(shape, dtype=torch.int32, device=device) for _ in range(4)]
     if kind == "score":
-        inputs.insert(0, torch.zeros((), dtype=score_dtype, device=device))
+        inputs.insert(0, torch.zeros(shape, dtype=score_dtype, device=device))
     recorder = _Recorder(inputs)
     with recorder:
         out = mod(*inputs)
+    return recorder, out
+
+
+def _untracked(mod, kind: str, score_dtype: torch.dtype, device: torch.device, captured: list) -> bool:
+    """Whether a mod traced by Dynamo computed from its arguments a tensor that the recorder did
+    not see: Dynamo evaluates some builtins and attributes of tensors (abs(), ``.T``) without the
+    recorder's mode, so their results pass for captured tensors. Those of captured tensors alone
+    are (``table.T``); those of the arguments are not. A captured tensor is the same object in
+    a second recording; a result that is not, in a third over stand-ins with one more dimension
+    than any captured tensor, has a broadcast shape that differs where it read an argument."""
+    again, _ = _recorded_once(mod, kind, score_dtype, device)
+    if len(again.captured) == len(captured) and all(a is b for a, b in zip(again.captured, captured)):
+        return False
+    dims = 1 + max([t.dim() for t in captured] + [0])
+    wider, _ = _recorded_once(mod, kind, score_dtype, device, dims)
+    return len(wider.captured) != len(captured) or any(
+        a is not b and tuple(a.shape) != tuple(b.shape) for a, b in zip(wider.captured, captured))
+
+
+def record(mod, kind: str, score_dtype: torch.dtype, device: torch.device) -> Recorded:
+    """Run ``mod`` on 0-d stand-ins of its arguments and record what it computes."""
+    recorder, out = _recorded_once(mod, kind, score_dtype, device)
     program = (tuple(recorder.steps), recorder.ref(out))
     if recorder.refused is not None:
         program += (recorder.refused,)
+    elif torch.compiler.is_compiling() and _untracked(mod, kind, score_dtype, device, recorder.captured):
+        program += (_UNTRACKED,)
     if torch.compiler.is_compiling():
         # The lowering reads captured shapes (index wrapping, per-element indexing): they are
         # specialised, with guards, under dynamic shapes too.
         for t in recorder.captured:
             torch._dynamo.mark_static(t)
-    meta = tuple((t.dtype, tuple(int(s) for s in t.shape),
+    # operator.index specialises a size that Dynamo keeps symbolic (a tensor computed in the
+    # compiled function, whose mark_static has no effect); int() would leave it symbolic.
+    meta = tuple((t.dtype, tuple(operator.index(s) for s in t.shape),
                   bool(t.requires_grad and t.is_floating_point())) for t in recorder.captured)
     name = getattr(mod, "__name__", None)
     if not isinstance(name, str):  # a bound method's name, under some torch versions
@@ -375,6 +410,8 @@ def _lower(kind: str, recorded, ints, floats, score_dtype: torch.dtype, fast_mat
         return lowered, (), None
     program, meta, name = recorded
     if len(program) > 2:
+        if program[2] == _UNTRACKED:
+            raise UnsupportedOpError(UNTRACKED_MESSAGE, mod_name=name)
         raise ControlFlowError(control_flow_message(program[2]), mod_name=name)
     stand_ins = _stand_ins(meta)
     fn = replay(program, name, stand_ins, ints, floats)
@@ -383,6 +420,13 @@ def _lower(kind: str, recorded, ints, floats, score_dtype: torch.dtype, fast_mat
     else:
         lowered = lower_mask_mod(fn)
     position = {id(t): i for i, t in enumerate(stand_ins)}
+    for t in lowered.captured:
+        if id(t) not in position:
+            raise UnsupportedOpError(
+                f"the mod builds a tensor of shape {tuple(t.shape)} from Python values "
+                "(torch.tensor([...]) or similar) and indexes it: under torch.compile flexcore's "
+                "kernels read only tensors made outside the mod. Make it once outside the mod, on "
+                "the query's device, and read it there", mod_name=name)
     return lowered, tuple(position[id(t)] for t in lowered.captured), fn
 
 

@@ -946,3 +946,75 @@ def test_unused_output_gradient_arrives_as_none(loss, monkeypatch):
     # The inline op's backward looks ``_backward`` up per call; flexcore's op, bound at registration,
     # shares its setup_context, and with it the rule.
     assert seen == [(loss == "lse", loss == "out", True)]
+
+
+@pytest.mark.parametrize("form", ["abs_score", "abs_mask", "tensor_from_list"])
+def test_mods_whose_values_torch_compile_hides_are_refused(form):
+    """Dynamo evaluates builtin abs() on a tensor without flexcore's recorder seeing it; a
+    tensor built inside the mod from a Python list is not one the call passes in. Both are
+    refused with UnsupportedOpError naming the mod, where they used to run as ``abs(0) = 0`` (a
+    silently wrong kernel) or fail with a KeyError."""
+    torch._dynamo.reset()
+    q, k, v = qkv(64, seed=seed_of("hidden", form))
+    slopes = torch.rand(H)
+    window = 8
+
+    def sym_alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * abs(q_idx - kv_idx)
+
+    def band(b, h, q_idx, kv_idx):
+        return abs(q_idx - kv_idx) <= window
+
+    def per_head(score, b, h, q_idx, kv_idx):
+        return score + torch.tensor([0.5, -0.5, 0.25, 1.0])[h % 4]
+
+    score_mod = {"abs_score": sym_alibi, "tensor_from_list": per_head}.get(form)
+    bm = create_block_mask(band, None, None, 64, 64, device="cpu", BLOCK_SIZE=32) if form == "abs_mask" else None
+    name = {"abs_score": "sym_alibi", "abs_mask": "band", "tensor_from_list": "per_head"}[form]
+    match = r"torch\.abs" if form.startswith("abs") else r"torch\.tensor"
+    compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=bm),
+                             fullgraph=True, backend="aot_eager")
+    with pytest.raises(UnsupportedOpError, match=rf"in {name}: .*{match}"):
+        compiled(q, k, v)
+
+
+@pytest.mark.parametrize("form", ["transpose", "data", "abs_of_table"])
+def test_values_of_captured_tensors_alone_that_torch_compile_computes(form):
+    """``table.T``, ``table.data`` and ``abs(table)`` inside a mod: Dynamo computes them without
+    the recorder too, but from the captured tensor alone, so they are captured values: eager's
+    output and float64's."""
+    torch._dynamo.reset()
+    q, k, v = qkv(64, seed=seed_of("captured-alone", form))
+    table = torch.randn(4, H, generator=torch.Generator().manual_seed(seed_of("table", form)))
+    mods = {
+        "transpose": lambda score, b, h, q_idx, kv_idx: score + table.T[h, (q_idx - kv_idx).clamp(0, 3)],
+        "data": lambda score, b, h, q_idx, kv_idx: score + table.data[(q_idx - kv_idx).clamp(0, 3), h],
+        "abs_of_table": lambda score, b, h, q_idx, kv_idx: score + abs(table)[1, h],
+    }
+    score_mod = mods[form]
+    compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod), fullgraph=True,
+                             backend="aot_eager")
+    out = compiled(q, k, v)
+    torch.testing.assert_close(out, flex_attention(q, k, v, score_mod=score_mod), rtol=1e-6, atol=1e-6)
+    gold = flex_attention_reference(q.double(), k.double(), v.double(), score_mod=score_mod)
+    base = flex_attention_reference(q, k, v, score_mod=score_mod, upcast=False)
+    assert_close_to_reference(out, gold, base, name=form, metric="rel_fro")
+
+
+def test_dynamic_shapes_with_a_captured_tensor_computed_in_the_compiled_function():
+    """A captured tensor whose size Dynamo keeps symbolic (``big[::2, 0]`` of a dynamic input):
+    its shape is specialised as the lowering needs, where it used to fail to compile."""
+    torch._dynamo.reset()
+    q, k, v = qkv(64, seed=seed_of("dynamic", "captured"))
+    big = torch.rand(2 * H, 3)
+
+    def fn(q, k, v, big):
+        slopes = big[::2, 0]
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx - kv_idx)
+
+        return flex_attention(q, k, v, score_mod=alibi)
+
+    out = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")(q, k, v, big)
+    torch.testing.assert_close(out, fn(q, k, v, big), rtol=1e-6, atol=1e-6)
