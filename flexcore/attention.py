@@ -177,30 +177,31 @@ def kv_blocks(block_mask, B, Hq):
     return _mask_views(block_mask, B, Hq, "kv", build)
 
 
-def _refine_kv(mask_ref, B, Hq, captured, compute: bool):
+def _refine_kv(mask_ref, B, Hq, mask_lowered, compute: bool):
     """``BlockTensors.refine`` of a mask's key-block tables (flexcore.kernels.forward.finer_tables):
     the tables over REFINE_BLOCK-sized blocks and their transpose, expanded to (B, Hq, ...), and
     their cost relative to the mask's own; None where the mask has none (see flexcore.blockmask.refine_block_map). Kept with
-    the mask while the mask_mod's captured tensors are unmodified (their version counters); with
+    the mask while the lowered mask_mod and its captured tensors are unchanged (tables.refine_key); with
     ``compute`` False only a kept answer is given (inside a CUDA graph capture)."""
     block_mask = mask_ref()
     if block_mask is None:
         return None
-    from flexcore.kernels.tables import versions
+    from flexcore.kernels.tables import reads_batch_head, refine_key
 
-    stamp = versions(captured)
+    stamp = refine_key(mask_lowered)
     hit = _views_cache.get((id(block_mask), B, Hq, "kv_fine"))
     if hit is not None and hit[0]() is block_mask and hit[1] == (block_mask.version, stamp):
         return hit[2]
     if not compute:
         return None
-    return _mask_views(block_mask, B, Hq, "kv_fine", lambda: _finer_tables(block_mask, B, Hq), stamp)
+    reads = reads_batch_head(mask_lowered)
+    return _mask_views(block_mask, B, Hq, "kv_fine", lambda: _finer_tables(block_mask, B, Hq, reads), stamp)
 
 
-def _finer_tables(block_mask, B, Hq):
+def _finer_tables(block_mask, B, Hq, reads):
     from flexcore.kernels.tables import refine_tables
 
-    return refine_tables(block_mask, B, Hq, kv_blocks(block_mask, B, Hq))
+    return refine_tables(block_mask, B, Hq, kv_blocks(block_mask, B, Hq), reads)
 
 
 def _q_blocks(block_mask, B, Hq):

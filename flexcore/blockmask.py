@@ -390,6 +390,8 @@ def _ordered_from_map(block_map: Tensor, value: int) -> tuple[Tensor, Tensor]:
     device = block_map.device
     num = torch.empty(B, H, R, dtype=torch.int32, device=device)
     indices = torch.empty(B, H, R, C, dtype=torch.int32, device=device)
+    if C == 0:  # no columns (a slice with no query blocks, transposed): nothing listed
+        return num.zero_(), indices
     cols = torch.arange(C, dtype=torch.int32, device=device)
     for rows in row_chunks(R, B * H * C, _TABLE_CHUNK_ELEMENTS):
         flags = block_map[:, :, rows] == value
@@ -1445,7 +1447,7 @@ create_mask = eager_only(create_mask)
 # ----------------------------------------------------------------------------------------------
 
 def refine_block_map(block_mask: BlockMask, block_size: tuple[int, int],
-                     max_elements: int | None = None) -> Tensor | None:
+                     max_elements: int | None = None, batch_heads: tuple[int, int] | None = None) -> Tensor | None:
     """The block map of ``block_mask`` at the finer ``block_size`` (each dim dividing the mask's):
     sub-blocks of full blocks are full, of empty blocks empty, and in partial blocks the mask_mod is
     evaluated (there only) and each sub-block classified as empty, partial or full.
@@ -1453,7 +1455,10 @@ def refine_block_map(block_mask: BlockMask, block_size: tuple[int, int],
     A kernel whose tile is smaller than the mask's blocks visits, through these tables, only the
     sub-blocks that keep something, and runs the mask_mod only on the partial ones. The result holds
     for the mask_mod and its captured tensors as they are now, over the BlockMask's stored batch
-    and head sizes (index 0 where it broadcasts, as :func:`create_block_mask` evaluates it).
+    and head sizes (index 0 where it broadcasts, as :func:`create_block_mask` evaluates it), or
+    over ``batch_heads`` = (B, H), to which a stored size of 1 broadcasts: a mask_mod that reads
+    ``b`` or ``h`` may keep different positions per batch or head inside the partial blocks of a
+    mask that broadcasts.
 
     Returns:
         (B, H, cdiv(Q_LEN, bq), cdiv(KV_LEN, bk)) int8 (0 empty, 1 partial, 2 full), or None when
@@ -1468,6 +1473,8 @@ def refine_block_map(block_mask: BlockMask, block_size: tuple[int, int],
     rq, rk = bq // fq, bk // fk
     Q_LEN, KV_LEN = block_mask.seq_lengths
     coarse = block_mask.block_map()
+    if batch_heads is not None:
+        coarse = coarse.expand(*batch_heads, *coarse.shape[2:])
     device = coarse.device
     nq, nk = min(_cdiv(Q_LEN, fq), coarse.shape[2] * rq), min(_cdiv(KV_LEN, fk), coarse.shape[3] * rk)
     fine = coarse.repeat_interleave(rq, 2).repeat_interleave(rk, 3)[:, :, :nq, :nk].contiguous()

@@ -34,7 +34,7 @@ class BlockTensors:
     # Schedules computed for these tables (see schedule). ``expanded`` may share one dict that
     # lives as long as the BlockMask, so that a CUDA graph that captured an order keeps it.
     _orders: dict = field(default_factory=dict, compare=False, repr=False)
-    # ``refine(captured, compute)``: the same mask's tables over finer blocks, their transpose and
+    # ``refine(mask_lowered, compute)``: the same mask's tables over finer blocks, their transpose and
     # their cost relative to these ((BlockTensors, BlockTensors, ratio), see finer_tables), or
     # None; ``compute`` False answers
     # only what is already known (inside a CUDA graph capture). Set by flexcore.attention.
@@ -191,14 +191,32 @@ def longest_first(cost: torch.Tensor, group: int) -> torch.Tensor:
 
 def versions(tensors) -> tuple:
     """The identities and version counters of ``tensors``: equal while none is replaced or
-    modified in place (the finer tables hold for a mask_mod's captured tensors as they were)."""
-    return tuple((id(t), t._version) for t in tensors)
+    modified in place (the finer tables hold for a mask_mod's captured tensors as they were).
+    An inference tensor has no version counter: its identity alone."""
+    return tuple((id(t), None if t.is_inference() else t._version) for t in tensors)
+
+
+_READS: dict = {}  # lowered mod's key (its source's hash) -> reads_batch_head
+
+
+def reads_batch_head(mask_lowered) -> tuple[bool, bool]:
+    """Whether the lowered mask_mod reads its ``b`` and its ``h`` argument (per call: kept by
+    the mod's key, which its source decides)."""
+    found = _READS.get(mask_lowered.key)
+    if found is None:
+        graph = getattr(mask_lowered, "graph", None)
+        args = [] if graph is None else [n for n in graph.graph.nodes if n.op == "placeholder"]
+        found = ((False, False) if graph is None else (True, True) if len(args) != 4
+                 else (bool(args[0].users), bool(args[1].users)))
+        _READS[mask_lowered.key] = found
+    return found
 
 
 def refine_key(mask_lowered) -> tuple:
-    """What finer_tables reads besides a plan key's call and options: the versions of the
-    mask_mod's captured tensors."""
-    return versions(mask_lowered.captured)
+    """What finer_tables reads besides a plan key's call and options: the lowered mask_mod
+    (a rebound global changes it), the versions of its captured tensors, and whether it reads
+    ``b`` and ``h``."""
+    return mask_lowered.key, versions(mask_lowered.captured), reads_batch_head(mask_lowered)
 
 
 def finer_tables(blocks: BlockTensors, q_len: int, mask_lowered, opts, serves_own=None):
@@ -225,7 +243,7 @@ def finer_tables(blocks: BlockTensors, q_len: int, mask_lowered, opts, serves_ow
             return None
         if serves_own is not None and serves_own():
             return None
-    found = blocks.refine(mask_lowered.captured, not capturing())
+    found = blocks.refine(mask_lowered, not capturing())
     if found is None:
         return None
     kv_fine, q_fine, ratio = found
@@ -261,13 +279,13 @@ def kv_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
     except TypeError:  # not weak-referenceable: no finer tables (they would keep it alive)
         mask_ref = None
 
-    def refine(captured, compute: bool):
-        stamp = versions(captured)
+    def refine(mask_lowered, compute: bool):
+        stamp = refine_key(mask_lowered)
         if stamp not in kept:
             mask = None if mask_ref is None else mask_ref()
             if mask is None or not compute:
                 return None
-            kept[stamp] = refine_tables(mask, B, Hq, own)
+            kept[stamp] = refine_tables(mask, B, Hq, own, reads_batch_head(mask_lowered))
         return kept[stamp]
 
     own = BlockTensors.expanded(block_mask.kv_num_blocks, block_mask.kv_indices,
@@ -276,14 +294,19 @@ def kv_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
     return own
 
 
-def refine_tables(block_mask, B: int, Hq: int, own: BlockTensors):
+def refine_tables(block_mask, B: int, Hq: int, own: BlockTensors, reads: tuple[bool, bool] = (True, True)):
     """(finer key-block tables, their transpose, their cost relative to ``own``: the mask's own
     key-block tables) over REFINE_BLOCK-sized blocks, expanded to (B, Hq, ...), or None where
-    flexcore.blockmask.refine_block_map gives none. One read-back."""
+    flexcore.blockmask.refine_block_map gives none. One read-back. ``reads``: whether the
+    mask_mod reads ``b`` and ``h``; over a size the mask broadcasts, the mask_mod is then
+    evaluated per batch or head (the mask's one block map holds for all of them only at block
+    level)."""
     from flexcore.blockmask import BlockMask, refine_block_map
 
     size = (REFINE_BLOCK, REFINE_BLOCK)
-    fine = refine_block_map(block_mask, size)
+    stored_b, stored_h = block_mask.kv_num_blocks.shape[:2]
+    batch_heads = (B if reads[0] and stored_b == 1 else stored_b, Hq if reads[1] and stored_h == 1 else stored_h)
+    fine = refine_block_map(block_mask, size, batch_heads=batch_heads)
     if fine is None:
         return None
     finer = BlockMask.from_trusted_block_map(fine, size, block_mask.seq_lengths, block_mask.mask_mod)

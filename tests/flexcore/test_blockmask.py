@@ -346,8 +346,10 @@ def test_one_million_tokens_on_gpu(family):
 @pytest.mark.parametrize("index", [0, -1, (slice(None), 1), (slice(None), slice(None), slice(2, 5)),
                                    (1, slice(0, 2), 3),
                                    (slice(None), slice(None), torch.tensor([4, 0, 2])),
-                                   (slice(None), torch.tensor(2))],
-                         ids=["b0", "b-1", "h1", "rows2:5", "b1_h0:2_row3", "rows_tensor", "h_0d"])
+                                   (slice(None), torch.tensor(2)), (slice(None), slice(None), slice(10, None)),
+                                   (slice(None), slice(None), torch.tensor([], dtype=torch.long))],
+                         ids=["b0", "b-1", "h1", "rows2:5", "b1_h0:2_row3", "rows_tensor", "h_0d", "no_rows",
+                              "no_rows_tensor"])
 def test_slicing_equals_slicing_the_dense_form(index):
     mod = mask_families(97, 131, seed=4)["head_batch"]
     bm = create_block_mask(mod, 2, 3, 97, 131, device="cpu", BLOCK_SIZE=16)

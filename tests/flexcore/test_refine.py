@@ -188,11 +188,11 @@ def test_finer_tables_inside_a_graph_capture(monkeypatch):
 
     bm = create_block_mask(_short_documents([100, 300, 180]), None, None, 512, 512, device=DEVICE)
     blocks = kv_blocks(bm, 1, 2)
-    captured = _lowered(bm.mask_mod).captured
-    assert blocks.refine(captured, False) is None
-    fine, transposed, ratio = blocks.refine(captured, True)
+    lowered = _lowered(bm.mask_mod)
+    assert blocks.refine(lowered, False) is None
+    fine, transposed, ratio = blocks.refine(lowered, True)
     assert fine.sparse_block == transposed.sparse_block == (64, 64) and ratio < 0.9
-    assert blocks.refine(captured, False)[0] is fine
+    assert blocks.refine(lowered, False)[0] is fine
     assert fine.num_blocks.shape == transposed.num_blocks.shape == (1, 2, 8)
 
 
@@ -204,7 +204,7 @@ def test_finer_tables_leave_with_their_mask():
 
     bm = create_block_mask(_short_documents([100, 300, 180]), None, None, 512, 512, device=DEVICE)
     blocks = kv_blocks(bm, 1, 2)
-    fine, transposed, _ = blocks.refine(_lowered(bm.mask_mod).captured, True)
+    fine, transposed, _ = blocks.refine(_lowered(bm.mask_mod), True)
     tables = weakref.ref(fine.indices), weakref.ref(transposed.indices)
     del bm, blocks, fine, transposed
     gc.collect()
@@ -251,3 +251,80 @@ def test_backward_configurations_over_64_blocks(monkeypatch):
     assert dkdv[2]["num_warps"] == 8  # the mask's own 128-blocks keep theirs
     assert fwd._candidates(128, 2, False, (64, 64)) == fwd._FINE_CONFIGS[128]
     assert fwd._candidates(128, 2, False, (128, 128)) == fwd.gpu_configs(128, 2)
+
+
+def _grads_against_reference(q, k, v, bm, what):
+    """dq, dk, dv of a loss on the output against the float64 reference, within twice torch's
+    own float32 error."""
+    from flexcore.reference import flex_attention_reference
+    from flexcore.testing import assert_close_to_reference
+
+    gen = torch.Generator().manual_seed(seed_of("refine", "grads", what))
+    weights = torch.randn(q.shape, generator=gen)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad((flex_attention(*leaves, block_mask=bm, kernel_options=REFINED) * weights).sum(),
+                                leaves)
+    gold_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    gold = torch.autograd.grad((flex_attention_reference(*gold_leaves, block_mask=bm) * weights.double()).sum(),
+                               gold_leaves)
+    base_leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    base = torch.autograd.grad((flex_attention_reference(*base_leaves, block_mask=bm, upcast=False)
+                                * weights).sum(), base_leaves)
+    for name, ours, ref, same in zip(("dq", "dk", "dv"), grads, gold, base):
+        assert_close_to_reference(ours, ref, same, name=f"{what} {name}", metric="rel_fro")
+
+
+@pytest.mark.parametrize("over", ["heads", "batch"])
+def test_finer_tables_of_a_broadcast_mask_whose_mask_mod_reads_the_head(over):
+    # A mask built for one head (H=None) whose mask_mod reads h only inside partial blocks: every
+    # head has the same block map, so the mask holds for all, but the finer tables differ by head.
+    gen = torch.Generator().manual_seed(seed_of("refine", "broadcast", over))
+    window = torch.tensor([8, 100])
+
+    def per_head_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < window[h if over == "heads" else b])
+
+    q, k, v = (torch.randn(2, 2, 256, 16, generator=gen) for _ in range(3))
+    bm = create_block_mask(per_head_window, None, None, 256, 256, device=DEVICE)  # BLOCK_SIZE 128
+    out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=REFINED)
+    assert_matches_reference(q, k, v, None, bm, out, lse, f"per-{over} window, broadcast mask")
+    _grads_against_reference(q, k, v, bm, f"per-{over} window")
+
+
+WINDOW = 8
+
+
+def test_finer_tables_follow_a_rebound_global():
+    # The coarse map is the same for both windows; the finer tables are not.
+    global WINDOW
+
+    def window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
+
+    gen = torch.Generator().manual_seed(seed_of("refine", "rebound"))
+    q, k, v = (torch.randn(1, 2, 256, 16, generator=gen) for _ in range(3))
+    bm = create_block_mask(window, None, None, 256, 256, device=DEVICE)
+    try:
+        for value in (8, 100):
+            WINDOW = value
+            assert torch.equal(bm.block_map(), create_block_mask(window, None, None, 256, 256,
+                                                                 device=DEVICE).block_map())
+            out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=REFINED)
+            assert_matches_reference(q, k, v, None, bm, out, lse, f"window {value}")
+    finally:
+        WINDOW = 8
+
+
+def test_finer_tables_of_a_mask_mod_reading_an_inference_tensor():
+    # Inference tensors have no version counter: the finer tables key them by identity.
+    gen = torch.Generator().manual_seed(seed_of("refine", "inference"))
+    with torch.inference_mode():
+        ids = torch.repeat_interleave(torch.arange(3), torch.tensor([40, 150, 66]))
+        q, k, v = (torch.randn(1, 2, 256, 16, generator=gen) for _ in range(3))
+
+        def document(b, h, q_idx, kv_idx):
+            return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+        bm = create_block_mask(document, None, None, 256, 256, device=DEVICE)
+        out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=REFINED)
+    assert_matches_reference(q, k, v, None, bm, out, lse, "inference-mode document ids")
