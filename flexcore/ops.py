@@ -101,9 +101,10 @@ class _Recorder(TorchFunctionMode):
     first reads them; Python ints and floats are kept apart, as values torch.compile may hold
     symbolically."""
 
-    def __init__(self, inputs: list):
+    def __init__(self, inputs: list, wide: bool = False):
         super().__init__()
         self.inputs = inputs
+        self.wide = wide  # stand-ins with extra dimensions (_untracked): products of vectors summed
         self.refused: str | None = None  # the first Python use of a tensor's value (_CONTROL_FLOW)
         self.results: list = []   # (tensor, its reference)
         self.captured: list = []
@@ -151,7 +152,14 @@ class _Recorder(TorchFunctionMode):
                 return one(args[0]) if callable(one) else one
         getitem = func is Tensor.__getitem__ and len(args) == 2
         index = _index_list(args[0], args[1]) if getitem else None
-        out = torch.ops.aten.index(*index) if index is not None else func(*args, **kwargs)
+        if self.wide and func in _VECTOR_PRODUCTS and _vectors_widened(args):
+            # A dot product of per-position vectors, (1, ..., D) here: what shapes follow is all
+            # this recording reads, and a matmul of these would fail.
+            out = (args[0] * args[1]).sum(-1)
+        elif index is not None:
+            out = torch.ops.aten.index(*index)
+        else:
+            out = func(*args, **kwargs)
         tensors = isinstance(out, Tensor) or (
             isinstance(out, (tuple, list)) and any(isinstance(o, Tensor) for o in out))
         if tensors:  # other results (sizes, dtypes) are constants in the calls that use them
@@ -165,6 +173,16 @@ class _Recorder(TorchFunctionMode):
                     if isinstance(o, Tensor):
                         self.results.append((o, (_REF, "item", step, j)))
         return out
+
+
+_VECTOR_PRODUCTS = {torch.dot, Tensor.dot, torch.inner, Tensor.inner, torch.vdot, Tensor.vdot, torch.matmul,
+                    Tensor.matmul, Tensor.__matmul__, Tensor.__rmatmul__}
+
+
+def _vectors_widened(args) -> bool:
+    a, b = args[:2] if len(args) >= 2 else (None, None)
+    return (isinstance(a, Tensor) and isinstance(b, Tensor) and a.dim() >= 2 and b.dim() >= 2
+            and a.shape[-1] != b.shape[-2])
 
 
 # What a refused Python use of a tensor's value gives the rest of a recording.
@@ -191,9 +209,9 @@ class Recorded(NamedTuple):
 _UNTRACKED = "\x00untracked"
 UNTRACKED_MESSAGE = (
     "the mod computes a tensor that torch.compile does not show to flexcore (Python's builtin "
-    "abs(), pow() or round() on a tensor are evaluated by torch.compile itself), so the compiled "
-    "kernel would read it as a constant. Use torch.abs / torch.pow / torch.round, or the tensor's "
-    "own methods (x.abs()), instead")
+    "abs() on a tensor, and attributes such as .data or .T of a 0-d one, are evaluated by "
+    "torch.compile itself), so the compiled kernel would read it as a constant. Use torch.abs or "
+    "the tensor's own methods (x.abs(), x.detach()) instead")
 
 
 def _recorded_once(mod, kind: str, score_dtype: torch.dtype, device: torch.device, dims: int = 0):
@@ -201,7 +219,7 @@ def _recorded_once(mod, kind: str, score_dtype: torch.dtype, device: torch.devic
     inputs = [torch.zeros(shape, dtype=torch.int32, device=device) for _ in range(4)]
     if kind == "score":
         inputs.insert(0, torch.zeros(shape, dtype=score_dtype, device=device))
-    recorder = _Recorder(inputs)
+    recorder = _Recorder(inputs, wide=dims > 0)
     with recorder:
         out = mod(*inputs)
     return recorder, out
@@ -213,10 +231,17 @@ def _untracked(mod, kind: str, score_dtype: torch.dtype, device: torch.device, c
     recorder's mode, so their results pass for captured tensors. Those of captured tensors alone
     are (``table.T``); those of the arguments are not. A captured tensor is the same object in
     a second recording; a result that is not, in a third over stand-ins with one more dimension
-    than any captured tensor, has a broadcast shape that differs where it read an argument."""
+    than any captured tensor, has a broadcast shape that differs where it read an argument. A
+    0-d one that is not is refused as well: a reduction of the arguments (``abs(x.sum())``) has
+    that shape in every recording (a 0-d captured tensor's ``abs()`` is refused with it)."""
     again, _ = _recorded_once(mod, kind, score_dtype, device)
-    if len(again.captured) == len(captured) and all(a is b for a, b in zip(again.captured, captured)):
+    if len(again.captured) != len(captured):
+        return True
+    fresh = [t for a, t in zip(again.captured, captured) if a is not t]
+    if not fresh:
         return False
+    if any(t.dim() == 0 for t in fresh):
+        return True
     dims = 1 + max([t.dim() for t in captured] + [0])
     wider, _ = _recorded_once(mod, kind, score_dtype, device, dims)
     return len(wider.captured) != len(captured) or any(

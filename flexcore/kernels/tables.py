@@ -192,7 +192,8 @@ def longest_first(cost: torch.Tensor, group: int) -> torch.Tensor:
 def versions(tensors) -> tuple:
     """The identities and version counters of ``tensors``: equal while none is replaced or
     modified in place (the finer tables hold for a mask_mod's captured tensors as they were).
-    An inference tensor has no version counter: its identity alone."""
+    An inference tensor has no version counter: its identity alone (finer_tables takes none for
+    a mask_mod that reads one)."""
     return tuple((id(t), None if t.is_inference() else t._version) for t in tensors)
 
 
@@ -243,6 +244,8 @@ def finer_tables(blocks: BlockTensors, q_len: int, mask_lowered, opts, serves_ow
             return None
         if serves_own is not None and serves_own():
             return None
+    if any(t.is_inference() for t in mask_lowered.captured):
+        return None  # no version counter: an edit in place could not be seen, so none are kept
     found = blocks.refine(mask_lowered, not capturing())
     if found is None:
         return None

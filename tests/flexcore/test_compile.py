@@ -948,7 +948,7 @@ def test_unused_output_gradient_arrives_as_none(loss, monkeypatch):
     assert seen == [(loss == "lse", loss == "out", True)]
 
 
-@pytest.mark.parametrize("form", ["abs_score", "abs_mask", "tensor_from_list"])
+@pytest.mark.parametrize("form", ["abs_score", "abs_mask", "abs_of_sum", "tensor_from_list"])
 def test_mods_whose_values_torch_compile_hides_are_refused(form):
     """Dynamo evaluates builtin abs() on a tensor without flexcore's recorder seeing it; a
     tensor built inside the mod from a Python list is not one the call passes in. Both are
@@ -968,9 +968,12 @@ def test_mods_whose_values_torch_compile_hides_are_refused(form):
     def per_head(score, b, h, q_idx, kv_idx):
         return score + torch.tensor([0.5, -0.5, 0.25, 1.0])[h % 4]
 
-    score_mod = {"abs_score": sym_alibi, "tensor_from_list": per_head}.get(form)
+    def summed(score, b, h, q_idx, kv_idx):  # a reduction of the arguments is 0-d in every recording
+        return score - 0.1 * abs((q_idx - kv_idx).sum())
+
+    score_mod = {"abs_score": sym_alibi, "tensor_from_list": per_head, "abs_of_sum": summed}.get(form)
     bm = create_block_mask(band, None, None, 64, 64, device="cpu", BLOCK_SIZE=32) if form == "abs_mask" else None
-    name = {"abs_score": "sym_alibi", "abs_mask": "band", "tensor_from_list": "per_head"}[form]
+    name = {"abs_score": "sym_alibi", "abs_mask": "band", "tensor_from_list": "per_head", "abs_of_sum": "summed"}[form]
     match = r"torch\.abs" if form.startswith("abs") else r"torch\.tensor"
     compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod, block_mask=bm),
                              fullgraph=True, backend="aot_eager")
@@ -978,7 +981,7 @@ def test_mods_whose_values_torch_compile_hides_are_refused(form):
         compiled(q, k, v)
 
 
-@pytest.mark.parametrize("form", ["transpose", "data", "abs_of_table"])
+@pytest.mark.parametrize("form", ["transpose", "data", "abs_of_table", "dot_of_data"])
 def test_values_of_captured_tensors_alone_that_torch_compile_computes(form):
     """``table.T``, ``table.data`` and ``abs(table)`` inside a mod: Dynamo computes them without
     the recorder too, but from the captured tensor alone, so they are captured values: eager's
@@ -990,6 +993,8 @@ def test_values_of_captured_tensors_alone_that_torch_compile_computes(form):
         "transpose": lambda score, b, h, q_idx, kv_idx: score + table.T[h, (q_idx - kv_idx).clamp(0, 3)],
         "data": lambda score, b, h, q_idx, kv_idx: score + table.data[(q_idx - kv_idx).clamp(0, 3), h],
         "abs_of_table": lambda score, b, h, q_idx, kv_idx: score + abs(table)[1, h],
+        # a product of per-position vectors, which the recording over wider stand-ins sums itself
+        "dot_of_data": lambda score, b, h, q_idx, kv_idx: score + table.data[q_idx % 4] @ table.data[kv_idx % 4],
     }
     score_mod = mods[form]
     compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, score_mod=score_mod), fullgraph=True,

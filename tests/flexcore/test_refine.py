@@ -316,7 +316,8 @@ def test_finer_tables_follow_a_rebound_global():
 
 
 def test_finer_tables_of_a_mask_mod_reading_an_inference_tensor():
-    # Inference tensors have no version counter: the finer tables key them by identity.
+    # Inference tensors have no version counter, so an edit in place cannot be seen: such a
+    # mask_mod runs on the mask's own tables, before and after its documents change inside blocks.
     gen = torch.Generator().manual_seed(seed_of("refine", "inference"))
     with torch.inference_mode():
         ids = torch.repeat_interleave(torch.arange(3), torch.tensor([40, 150, 66]))
@@ -326,5 +327,11 @@ def test_finer_tables_of_a_mask_mod_reading_an_inference_tensor():
             return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
 
         bm = create_block_mask(document, None, None, 256, 256, device=DEVICE)
-        out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=REFINED)
-    assert_matches_reference(q, k, v, None, bm, out, lse, "inference-mode document ids")
+        edited = torch.repeat_interleave(torch.arange(3), torch.tensor([60, 140, 56]))
+        assert torch.equal(bm.block_map(), create_block_mask(
+            lambda b, h, q_idx, kv_idx: (edited[q_idx] == edited[kv_idx]) & (q_idx >= kv_idx),
+            None, None, 256, 256, device=DEVICE).block_map())
+        for what in ("before", "after"):
+            out, lse = flex_attention(q, k, v, block_mask=bm, return_lse=True, kernel_options=REFINED)
+            assert_matches_reference(q, k, v, None, bm, out, lse, f"inference-mode document ids, {what} the edit")
+            ids.copy_(edited)
