@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -575,7 +576,7 @@ class CaseRunner:
                 slices = [grad]
             errors = _metrics(slices, ref)
             tol = 2.0 * self.baseline[key]["max_abs"] + eps
-            passed = errors["max_abs"] <= tol
+            passed = math.isfinite(errors["max_abs"]) and errors["max_abs"] <= tol  # NaN never passes
             for metric in ("max_abs", "mean_abs", "rel_fro"):
                 self.row(name, f"{key}_{metric}", errors[metric], "rel" if metric == "rel_fro" else "abs")
             rule = missing + f"max_abs <= 2 * baseline {self.baseline[key]['max_abs']:.3g} + {eps:g}"

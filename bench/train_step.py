@@ -330,7 +330,7 @@ class TrainStepRunner(CaseRunner):
         for key, golden in self.golden.items():
             errors = _metrics(parts[key], golden)
             tol = 2.0 * self.baseline[key]["max_abs"] + eps
-            passed = errors["max_abs"] <= tol
+            passed = math.isfinite(errors["max_abs"]) and errors["max_abs"] <= tol  # NaN never passes
             for metric in ("max_abs", "mean_abs", "rel_fro"):
                 self.row(name, f"{key}_{metric}", errors[metric], "rel" if metric == "rel_fro" else "abs")
             rule = f"max_abs <= 2 * baseline {self.baseline[key]['max_abs']:.3g} + {eps:g}"

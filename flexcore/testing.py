@@ -6,6 +6,7 @@ torch's own computation in the tested dtype (e.g. ``upcast=False``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ class ToleranceResult:
     """Outcome of :func:`tolerance_check`.
 
     Attributes:
-        passed: ``errors[metric] <= threshold``.
+        passed: ``errors[metric]`` is finite and at most ``threshold``.
         errors: :func:`error_metrics` of the tested output.
         baseline_errors: :func:`error_metrics` of the baseline.
         threshold: ``factor * baseline_errors[metric] + eps``.
@@ -113,7 +114,10 @@ def tolerance_check(out: Tensor, golden: Tensor, baseline: Tensor, factor: float
     errors = error_metrics(out, golden)
     baseline_errors = error_metrics(baseline, golden)
     threshold = factor * baseline_errors[metric] + eps
-    return ToleranceResult(passed=errors[metric] <= threshold, errors=errors,
+    # A non-finite error (NaN, or an infinity the reference lacks) never passes, even where the
+    # baseline's is non-finite too: inf <= inf would pass any result.
+    passed = math.isfinite(errors[metric]) and errors[metric] <= threshold
+    return ToleranceResult(passed=passed, errors=errors,
                            baseline_errors=baseline_errors, threshold=threshold, metric=metric)
 
 

@@ -8,6 +8,7 @@ error is at most twice that of the eager reference in the same dtype plus a smal
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable
 
 import torch
@@ -156,7 +157,9 @@ def gradients(code: str, shape: dict, seed: int, dtype: str) -> dict:
             base = error_metrics(baseline[name], gold)["max_abs"] if name in baseline else None
             threshold = None if base is None else 2.0 * base + eps
             rows.append({"source": source, "tensor": name, **errors, "threshold": threshold,
-                         "passed": None if threshold is None else bool(errors["max_abs"] <= threshold)})
+                         # a non-finite error never passes (a NaN baseline's threshold is inf)
+                         "passed": None if threshold is None else bool(math.isfinite(errors["max_abs"])
+                                                                       and errors["max_abs"] <= threshold)})
     return {"rows": rows, "notes": notes, "baseline": baseline_name}
 
 

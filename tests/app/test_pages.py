@@ -112,6 +112,25 @@ def test_gradients_of_an_unseeded_random_tensor_match_float64():
     assert any(s.startswith("Every gradient passed") for s in texts(at, "success"))
 
 
+NAN_MOD = "def score_mod(score, b, h, q_idx, kv_idx):\n    return score * float('nan')\n"
+
+
+def test_a_nan_result_fails_check_and_gradients_though_the_eager_reference_is_nan_too():
+    # The eager reference in the tested dtype is NaN as well, so its threshold is inf: the result
+    # still fails, never passes.
+    at = playground(NAN_MOD)
+    at.session_state["pg_check_dtypes"] = ["float32"]
+    at = click(at, "pg_check_btn")
+    assert not texts(at, "success"), texts(at, "success")
+    assert "Check failed for float32." in texts(at, "error")
+    assert list(table(at, "max |err|")["result"]) == ["FAIL"]
+    at = click(at, "pg_grad_btn")
+    rows = table(at, "tensor")
+    flex = rows[rows["source"] == "flexcore"]
+    assert len(flex) and set(flex["result"]) == {"FAIL"}, rows
+    assert not any(s.startswith("Every gradient passed") for s in texts(at, "success"))
+
+
 def test_a_reload_restores_the_code_and_results():
     at = click(playground(CAUSAL, {**TINY, "Q_LEN": 32, "KV_LEN": 48}), "pg_check_btn")
     exp_id = at.query_params["exp"]

@@ -35,6 +35,16 @@ def test_nan_or_unmatched_infinity_is_infinite_error(bad):
     assert not tolerance_check(out, golden, golden.float()).passed
 
 
+@pytest.mark.parametrize("metric", ["max_abs", "mean_abs", "rel_fro"])
+def test_a_non_finite_error_fails_even_against_a_non_finite_baseline(metric):
+    # The baseline (the reference in the tested dtype) overflowed too: its threshold is inf, and
+    # inf <= inf would pass any result.
+    golden = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    for out in (torch.tensor([1.0, math.nan, 3.0]), torch.tensor([math.inf, 2.0, 3.0])):
+        res = tolerance_check(out, golden, torch.tensor([1.0, math.nan, 3.0]), metric=metric)
+        assert res.threshold == math.inf and not res.passed
+
+
 def test_mismatched_infinity_in_golden_is_infinite_error():
     golden = torch.tensor([1.0, -math.inf], dtype=torch.float64)
     assert error_metrics(torch.tensor([1.0, 0.0]), golden)["max_abs"] == math.inf
