@@ -15,11 +15,13 @@ Gradients of captured tensors are scattered by the dK/dV programs with atomic ad
 - default: float32 atomics (float64 for float64 tensors). Fast; the summation order, hence the
   last bits, varies between runs on the GPU.
 - ``KernelOptions(deterministic=True)``: each contribution is rounded to a multiple of
-  2**-FIXED_POINT_BITS (2**-32, about 2.3e-10) and added as an int64. Integer addition is
-  associative, so the result is bit-identical across runs. Trade-off: absolute resolution 2**-32 per
-  contribution (a gradient summing N contributions is off by at most N * 2**-33; contributions that
-  depend on b and h only are summed per tile in float32 first), and range |partial sums| < 2**31.
-  int64 atomics are somewhat slower than float32 ones.
+  2**-FIXED_POINT_BITS (2**-32, about 2.3e-10) and added as two int64 words, its integer part and
+  its fraction times 2**32. Integer addition is associative, so the result is bit-identical across
+  runs. Trade-off: absolute resolution 2**-32 per contribution (a gradient summing N contributions
+  is off by at most N * 2**-33; contributions that depend on b and h only are summed per tile in
+  float32 first), two int64 atomics per contribution (somewhat slower than one float32 atomic), and
+  range: integer parts up to 2**62 (4.6e18), past which the gradient reads as an infinity, as a
+  float overflow would (a loss scaler then sees it).
 """
 from __future__ import annotations
 
@@ -310,14 +312,26 @@ def _grad_buffers(captured, grad_of, deterministic: bool, device) -> tuple[dict,
     grad_buffers = {}
     grad_args = []
     for i in grad_of:
-        if deterministic:
-            dtype = torch.int64
-        else:  # float32 atomics, or float64 ones for float64 tensors
-            dtype = torch.float64 if captured[i].dtype == torch.float64 else torch.float32
+        if deterministic:  # (integer part, fraction) words side by side: the kernel adds at +0 and +1
+            buf = grad_buffers[i] = torch.zeros((*captured[i].shape, 2), dtype=torch.int64, device=device)
+            grad_args.append(buf)
+            grad_args.extend(buf.stride()[:-1])
+            continue
+        # float32 atomics, or float64 ones for float64 tensors
+        dtype = torch.float64 if captured[i].dtype == torch.float64 else torch.float32
         buf = grad_buffers[i] = torch.zeros(captured[i].shape, dtype=dtype, device=device)
         grad_args.append(buf)
         grad_args.extend(buf.stride())
     return grad_buffers, grad_args
+
+
+def _from_fixed_point(buf: torch.Tensor) -> torch.Tensor:
+    """float64 values of a deterministic gradient buffer (see _grad_buffers); an integer part at
+    the kernel's clamp (2**62) reads as an infinity of its sign."""
+    whole, fraction = buf.unbind(-1)
+    value = whole.double() + fraction.double() * 2.0 ** -FIXED_POINT_BITS
+    limit = 2 ** 62
+    return torch.where((whole >= limit) | (whole <= -limit), whole.double().sign() * torch.inf, value)
 
 
 def _captured_grads(captured, grad_buffers: dict, deterministic: bool) -> list:
@@ -328,7 +342,7 @@ def _captured_grads(captured, grad_buffers: dict, deterministic: bool) -> list:
         if buf is None:
             grads.append(None)
         elif deterministic:
-            grads.append((buf.double() * 2.0 ** -FIXED_POINT_BITS).to(t.dtype))
+            grads.append(_from_fixed_point(buf).to(t.dtype))
         else:
             grads.append(buf.to(t.dtype))
     return grads

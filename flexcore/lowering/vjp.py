@@ -43,20 +43,26 @@ FN_NAME = "score_mod_bwd_fn"
 _PARAMS = ["score", "b", "h", "q_idx", "kv_idx", "q_ok", "kv_ok", "grad", "valid",
            "WRITE_CAPTURED_GRADS: tl.constexpr", "FIXED_POINT_GRADS: tl.constexpr"]
 
-# Add gradient contributions; in fixed point the int64 sum is the same in any order.
+# Add gradient contributions; in fixed point the int64 sums are the same in any order.
 _ACCUMULATE_SOURCE = '''
 @triton.jit
 def _sm_grad_fixed_point(vals):
-    # vals * 2**32 rounded to nearest, clamped into int64 (see flexcore.kernels.backward).
-    scaled = vals.to(tl.float64) * 4294967296.0
-    scaled = tl.minimum(tl.maximum(scaled, -9.2e18), 9.2e18)
-    return tl.floor(scaled + 0.5).to(tl.int64)
+    # (integer part, fraction * 2**32 rounded): two int64 words per element of the buffer (see
+    # flexcore.kernels.backward), so that no realistic sum wraps. A magnitude past 2**62 is
+    # clamped there, and the host reads such a word as an infinity.
+    v = vals.to(tl.float64)
+    whole = tl.floor(v)
+    fraction = tl.floor((v - whole) * 4294967296.0 + 0.5)
+    whole = tl.minimum(tl.maximum(whole, -4.611686018427388e18), 4.611686018427388e18)
+    return whole.to(tl.int64), fraction.to(tl.int64)
 
 
 @triton.jit
 def _sm_grad_accumulate(ptrs, vals, mask, FIXED_POINT_GRADS: tl.constexpr):
     if FIXED_POINT_GRADS:
-        tl.atomic_add(ptrs, _sm_grad_fixed_point(vals), mask=mask)
+        whole, fraction = _sm_grad_fixed_point(vals)
+        tl.atomic_add(ptrs, whole, mask=mask)
+        tl.atomic_add(ptrs + 1, fraction, mask=mask)
     else:
         tl.atomic_add(ptrs, vals, mask=mask)
 
@@ -64,7 +70,9 @@ def _sm_grad_accumulate(ptrs, vals, mask, FIXED_POINT_GRADS: tl.constexpr):
 @triton.jit
 def _sm_grad_accumulate_one(ptr, val, FIXED_POINT_GRADS: tl.constexpr):
     if FIXED_POINT_GRADS:
-        tl.atomic_add(ptr, _sm_grad_fixed_point(val))
+        whole, fraction = _sm_grad_fixed_point(val)
+        tl.atomic_add(ptr, whole)
+        tl.atomic_add(ptr + 1, fraction)
     else:
         tl.atomic_add(ptr, val)
 '''

@@ -200,6 +200,34 @@ def test_deterministic_captured_gradients_are_bit_identical():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("loss_scale", [2.0 ** 30, 2.0 ** 62])
+def test_deterministic_captured_gradients_keep_their_range(loss_scale):
+    # A per-head temperature gathers every score's gradient: under a loss scaler's 2**30 it passes
+    # 2**31, which one int64 of 2**-32 units cannot hold (it came back clamped, 27% low). Past
+    # 2**62 it reads as an infinity, as a float overflow would, not as a finite wrong number.
+    from flexcore.testing import assert_close_to_reference
+
+    gen = torch.Generator().manual_seed(seed_of("deterministic", "range", str(loss_scale)))
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=gen) for _ in range(3))
+    weights = torch.randn(1, 2, 64, 16, generator=gen)
+    temp = (torch.rand(2, generator=gen) + 0.5).requires_grad_()
+
+    def grad_of(attention, dtype, **options):
+        t = temp.detach().to(dtype).requires_grad_()
+        out = attention(q.to(dtype), k.to(dtype), v.to(dtype), score_mod=lambda s, b, h, qi, ki: s * t[h], **options)
+        return torch.autograd.grad((out * weights.to(dtype)).sum() * loss_scale, [t])[0]
+
+    ours = grad_of(flex_attention, torch.float32, kernel_options=KernelOptions(deterministic=True))
+    gold = grad_of(flex_attention_reference, torch.float64)
+    if loss_scale < 2.0 ** 62:
+        assert gold.abs().max() > 2.0 ** 31
+        base = grad_of(lambda *a, **kw: flex_attention_reference(*a, upcast=False, **kw), torch.float32)
+        assert_close_to_reference(ours, gold, base, name="dtemp", metric="rel_fro")
+    else:
+        assert (gold.abs() > 2.0 ** 62).any()
+        assert torch.equal(torch.isinf(ours), gold.abs() >= 2.0 ** 62) and not ours.isnan().any(), (ours, gold)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fully_masked_rows_have_zero_gradients(dtype):
     # bfloat16 recomputes probabilities from lse2 (P_FROM_LSE), where such rows have lse2 = +inf.
