@@ -403,8 +403,18 @@ def _without_lines():
     except ModError as error:
         extra = {name: getattr(error, name) for name in _INDEX_ERROR_FIELDS if hasattr(error, name)}
         message = error.message.split("\n", 1)[0]  # a quoted source line would be the replay's
-        raise type(error)(f"{message} (in a call compiled by torch.compile; call it eagerly "
-                          f"to see the line)", mod_name=error.mod_name, op=error.op, **extra) from None
+        # A refusal of the compiled path alone (_COMPILE_ONLY): an eager call runs the mod.
+        hint = "" if getattr(error, _COMPILE_ONLY, False) else "; call it eagerly to see the line"
+        raise type(error)(f"{message} (in a call compiled by torch.compile{hint})", mod_name=error.mod_name,
+                          op=error.op, **extra) from None
+
+
+_COMPILE_ONLY = "compile_only"
+
+
+def _compile_only(error: ModError) -> ModError:
+    setattr(error, _COMPILE_ONLY, True)
+    return error
 
 
 _INDEX_ERROR_FIELDS = ("tensor", "size", "dim", "expression", "position", "value")
@@ -436,7 +446,7 @@ def _lower(kind: str, recorded, ints, floats, score_dtype: torch.dtype, fast_mat
     program, meta, name = recorded
     if len(program) > 2:
         if program[2] == _UNTRACKED:
-            raise UnsupportedOpError(UNTRACKED_MESSAGE, mod_name=name)
+            raise _compile_only(UnsupportedOpError(UNTRACKED_MESSAGE, mod_name=name))
         raise ControlFlowError(control_flow_message(program[2]), mod_name=name)
     stand_ins = _stand_ins(meta)
     fn = replay(program, name, stand_ins, ints, floats)
@@ -447,11 +457,11 @@ def _lower(kind: str, recorded, ints, floats, score_dtype: torch.dtype, fast_mat
     position = {id(t): i for i, t in enumerate(stand_ins)}
     for t in lowered.captured:
         if id(t) not in position:
-            raise UnsupportedOpError(
+            raise _compile_only(UnsupportedOpError(
                 f"the mod builds a tensor of shape {tuple(t.shape)} from Python values "
                 "(torch.tensor([...]) or similar) and indexes it: under torch.compile flexcore's "
                 "kernels read only tensors made outside the mod. Make it once outside the mod, on "
-                "the query's device, and read it there", mod_name=name)
+                "the query's device, and read it there", mod_name=name))
     return lowered, tuple(position[id(t)] for t in lowered.captured), fn
 
 
