@@ -85,7 +85,7 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
         k, v = k.expand(B, -1, -1, -1), v.expand(B, -1, -1, -1)
     where = "Triton interpreter" if use_interpreter() else f"{query.device}"
     lines = []
-    blocks = tables.kv_block_tensors(block_mask, B, Hq)
+    blocks = attention.kv_blocks(block_mask, B, Hq)
     lines.append(f"backend: {opts.backend!r}; mask blocks {tuple(block_mask.BLOCK_SIZE)}; "
                  f"{query.dtype}, head dims {D}/{Dv}, lengths {L}/{S}")
 

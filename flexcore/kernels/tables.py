@@ -3,7 +3,6 @@ statistics and launch orders, and the finer tables over REFINE_BLOCK-sized block
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -272,32 +271,7 @@ def q_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
                                  (bkv, bq), B, Hq)
 
 
-def kv_block_tensors(block_mask, B: int, Hq: int) -> BlockTensors:
-    """The BlockMask's key-block tables viewed as (B, Hq, ...), with ``refine`` set to
-    :func:`refine_tables` of the mask (computed on first use and kept with these tables). Not
-    cached: flexcore.attention keeps its own views per mask."""
-    kept: dict = {}
-    try:
-        mask_ref = weakref.ref(block_mask)
-    except TypeError:  # not weak-referenceable: no finer tables (they would keep it alive)
-        mask_ref = None
-
-    def refine(mask_lowered, compute: bool):
-        stamp = refine_key(mask_lowered)
-        if stamp not in kept:
-            mask = None if mask_ref is None else mask_ref()
-            if mask is None or not compute:
-                return None
-            kept[stamp] = refine_tables(mask, B, Hq, own, reads_batch_head(mask_lowered))
-        return kept[stamp]
-
-    own = BlockTensors.expanded(block_mask.kv_num_blocks, block_mask.kv_indices,
-                                block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-                                block_mask.BLOCK_SIZE, B, Hq, refine=refine if mask_ref else None)
-    return own
-
-
-def refine_tables(block_mask, B: int, Hq: int, own: BlockTensors, reads: tuple[bool, bool] = (True, True)):
+def refine_tables(block_mask, B: int, Hq: int, own: BlockTensors, reads: tuple[bool, bool]):
     """(finer key-block tables, their transpose, their cost relative to ``own``: the mask's own
     key-block tables) over REFINE_BLOCK-sized blocks, expanded to (B, Hq, ...), or None where
     flexcore.blockmask.refine_block_map gives none. One read-back. ``reads``: whether the
