@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -38,6 +37,7 @@ from bench.grid import Case, Grid, case_from_dict
 from bench.lock import FolderBusyError, FolderLock
 from bench.timing import GraphCaptureError, peak_memory, pooled, time_call, time_first_call
 from flexcore.kernels import hopper
+from flexcore.testing import within_tolerance
 from variants.core import Mods
 
 SCHEMA_VERSION = "flexlab-bench/1"
@@ -576,7 +576,7 @@ class CaseRunner:
                 slices = [grad]
             errors = _metrics(slices, ref)
             tol = 2.0 * self.baseline[key]["max_abs"] + eps
-            passed = math.isfinite(errors["max_abs"]) and errors["max_abs"] <= tol  # NaN never passes
+            passed = within_tolerance(errors["max_abs"], tol)
             for metric in ("max_abs", "mean_abs", "rel_fro"):
                 self.row(name, f"{key}_{metric}", errors[metric], "rel" if metric == "rel_fro" else "abs")
             rule = missing + f"max_abs <= 2 * baseline {self.baseline[key]['max_abs']:.3g} + {eps:g}"

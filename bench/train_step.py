@@ -38,6 +38,7 @@ from bench.context import make_context, rotation_sets
 from bench.flops import attention_flops
 from bench.runner import CaseRunner, _eps, _error_text, _metrics
 from bench.timing import peak_memory, time_call, time_first_call
+from flexcore.testing import within_tolerance
 
 #: Providers a train-step case runs (other providers of the grid give it no rows).
 TRAIN_PROVIDERS = ("flexlab", "flexlab_compiled", "torch_flex")
@@ -330,7 +331,7 @@ class TrainStepRunner(CaseRunner):
         for key, golden in self.golden.items():
             errors = _metrics(parts[key], golden)
             tol = 2.0 * self.baseline[key]["max_abs"] + eps
-            passed = math.isfinite(errors["max_abs"]) and errors["max_abs"] <= tol  # NaN never passes
+            passed = within_tolerance(errors["max_abs"], tol)
             for metric in ("max_abs", "mean_abs", "rel_fro"):
                 self.row(name, f"{key}_{metric}", errors[metric], "rel" if metric == "rel_fro" else "abs")
             rule = f"max_abs <= 2 * baseline {self.baseline[key]['max_abs']:.3g} + {eps:g}"

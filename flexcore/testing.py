@@ -14,8 +14,8 @@ from torch import Tensor
 
 from flexcore.errors import InputError
 
-__all__ = ["error_metrics", "tolerance_check", "assert_close_to_reference", "ToleranceResult",
-           "DEFAULT_EPS"]
+__all__ = ["error_metrics", "tolerance_check", "within_tolerance", "assert_close_to_reference",
+           "ToleranceResult", "DEFAULT_EPS"]
 
 #: Absolute slack added to the threshold, per dtype of the tested output: about two units in the
 #: last place at 1.0, so a baseline that happens to be exact does not demand exactness.
@@ -90,6 +90,13 @@ def _fmt(errors: dict) -> str:
     return ", ".join(f"{k}={v:.3e}" for k, v in errors.items())
 
 
+def within_tolerance(error: float, threshold: float) -> bool:
+    """Whether an error passes its threshold. A non-finite error (NaN, or an infinity the
+    reference lacks) never passes, even where the baseline's is non-finite too: its threshold is
+    then inf, and inf <= inf would pass any result."""
+    return math.isfinite(error) and error <= threshold
+
+
 def tolerance_check(out: Tensor, golden: Tensor, baseline: Tensor, factor: float = 2.0,
                     atol: float | None = None, metric: str = "max_abs") -> ToleranceResult:
     """Pass iff ``err(out) <= factor * err(baseline) + eps`` (errors against ``golden``).
@@ -114,10 +121,7 @@ def tolerance_check(out: Tensor, golden: Tensor, baseline: Tensor, factor: float
     errors = error_metrics(out, golden)
     baseline_errors = error_metrics(baseline, golden)
     threshold = factor * baseline_errors[metric] + eps
-    # A non-finite error (NaN, or an infinity the reference lacks) never passes, even where the
-    # baseline's is non-finite too: inf <= inf would pass any result.
-    passed = math.isfinite(errors[metric]) and errors[metric] <= threshold
-    return ToleranceResult(passed=passed, errors=errors,
+    return ToleranceResult(passed=within_tolerance(errors[metric], threshold), errors=errors,
                            baseline_errors=baseline_errors, threshold=threshold, metric=metric)
 
 

@@ -8,7 +8,6 @@ error is at most twice that of the eager reference in the same dtype plus a smal
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Callable
 
 import torch
@@ -20,7 +19,7 @@ from bench.grid import Case, Settings
 from bench.providers import PROVIDERS, Unsupported
 from flexcore import flex_attention
 from flexcore.reference import flex_attention_reference
-from flexcore.testing import DEFAULT_EPS, error_metrics, tolerance_check
+from flexcore.testing import DEFAULT_EPS, error_metrics, tolerance_check, within_tolerance
 
 
 def inputs(shape: dict, dtype: str, seed: int, requires_grad: bool = False):
@@ -157,9 +156,8 @@ def gradients(code: str, shape: dict, seed: int, dtype: str) -> dict:
             base = error_metrics(baseline[name], gold)["max_abs"] if name in baseline else None
             threshold = None if base is None else 2.0 * base + eps
             rows.append({"source": source, "tensor": name, **errors, "threshold": threshold,
-                         # a non-finite error never passes (a NaN baseline's threshold is inf)
-                         "passed": None if threshold is None else bool(math.isfinite(errors["max_abs"])
-                                                                       and errors["max_abs"] <= threshold)})
+                         "passed": None if threshold is None else within_tolerance(errors["max_abs"],
+                                                                                   threshold)})
     return {"rows": rows, "notes": notes, "baseline": baseline_name}
 
 

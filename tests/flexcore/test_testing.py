@@ -8,7 +8,7 @@ import torch
 
 from flexcore.errors import InputError
 from flexcore.testing import (DEFAULT_EPS, assert_close_to_reference, error_metrics,
-                              tolerance_check)
+                              tolerance_check, within_tolerance)
 
 
 def test_metrics_on_known_differences():
@@ -43,6 +43,13 @@ def test_a_non_finite_error_fails_even_against_a_non_finite_baseline(metric):
     for out in (torch.tensor([1.0, math.nan, 3.0]), torch.tensor([math.inf, 2.0, 3.0])):
         res = tolerance_check(out, golden, torch.tensor([1.0, math.nan, 3.0]), metric=metric)
         assert res.threshold == math.inf and not res.passed
+
+
+def test_within_tolerance_is_the_rule_of_every_check():
+    # tolerance_check, the workbench's gradient rows and the bench's correctness rows share it.
+    assert within_tolerance(1.0, 2.0) and within_tolerance(2.0, 2.0)
+    assert not within_tolerance(2.5, 2.0)
+    assert not within_tolerance(math.inf, math.inf) and not within_tolerance(math.nan, math.inf)
 
 
 def test_mismatched_infinity_in_golden_is_infinite_error():
