@@ -75,9 +75,8 @@ def check_block_mask(block_mask, B: int, Hq: int, L: int, S: int, device: torch.
     from flexcore.blockmask import BlockMask
 
     if not isinstance(block_mask, BlockMask):
-        raise InputError(f"block_mask must be a flexcore.BlockMask (from flexcore.create_block_mask), "
-                         f"or a torch BlockMask converted by flexcore.interop.coerce_block_mask; "
-                         f"got {type(block_mask).__name__}")
+        raise InputError(f"block_mask must be a BlockMask (flexcore.create_block_mask's or torch's, "
+                         f"which flex_attention converts), or None; got {type(block_mask).__name__}")
     mq, mkv = block_mask.seq_lengths
     if (mq, mkv) != (L, S):
         raise InputError(

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 
 from flexcore._types import ScoreMod
 from flexcore._validate import check_block_mask, check_qkv
+from flexcore.interop import coerce_block_mask
 from flexcore.blockmask import EMPTY, FULL, BlockMask
 from flexcore.blockmask import as_bool_mask as _as_bool_mask
 from flexcore.blockmask import broadcast_result as _broadcast_result
@@ -158,10 +159,11 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
     if sinks is not None:
         check_sinks(sinks, query)
     B, Hq, L, D = query.shape
-    Hkv, S = key.shape[1], key.shape[2]
+    S = key.shape[2]
     if score_mod is not None:
         _mod_kind(score_mod, "flex_attention_reference", allowed=("score",), arg="score_mod")
     block_map = mask_mod = None
+    block_mask = coerce_block_mask(block_mask)  # a torch BlockMask, as flex_attention takes it
     if block_mask is not None:
         check_block_mask(block_mask, B, Hq, L, S, query.device)
         block_map = block_mask.block_map()

@@ -314,8 +314,19 @@ def test_input_errors():
         flex_attention_reference(q, k, v, block_mask=three_batches)
     with pytest.raises(ModSignatureError, match="score_mod"):
         flex_attention_reference(q, k, v, score_mod=causal)
-    with pytest.raises(InputError, match="flexcore.BlockMask"):
+    with pytest.raises(InputError, match=r"block_mask must be a BlockMask .*torch's.*got str"):
         flex_attention_reference(q, k, v, block_mask="causal")
+
+
+def test_takes_a_torch_block_mask_as_flex_attention_does():
+    torch.manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 48, 8) for _ in range(3))
+    theirs = torch_flex.create_block_mask(causal, None, None, 48, 48, device="cpu", BLOCK_SIZE=16)
+    ours = create_block_mask(causal, None, None, 48, 48, device="cpu", BLOCK_SIZE=16)
+    got = flex_attention_reference(q, k, v, block_mask=theirs)
+    assert torch.equal(got, flex_attention_reference(q, k, v, block_mask=ours))
+    want = torch_flex.flex_attention(q.double(), k.double(), v.double(), block_mask=theirs)
+    assert (got.double() - want).abs().max() < 1e-6
 
 
 def test_mask_does_not_depend_on_block_size():
