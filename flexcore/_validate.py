@@ -15,11 +15,14 @@ def _shape(t: Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
-def check_qkv(query, key, value, enable_gqa: bool, dtypes: tuple | None = KERNEL_DTYPES) -> None:
+def check_qkv(query, key, value, enable_gqa: bool, dtypes: tuple | None = KERNEL_DTYPES,
+              rows_may_be_empty: bool = False) -> None:
     """Raise InputError naming the argument unless q, k, v can be attended together.
 
     Args:
         dtypes: accepted dtypes; None accepts any floating dtype (the reference takes float64).
+        rows_may_be_empty: accept a batch or query length of 0 (calls without rows return empty
+            results, as torch's do); keys, heads and head dims must still be non-empty.
     """
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, Tensor):
@@ -60,8 +63,10 @@ def check_qkv(query, key, value, enable_gqa: bool, dtypes: tuple | None = KERNEL
     if Dk != D:
         raise InputError(f"query head dim {D} differs from key head dim {Dk} "
                          f"(query {_shape(query)}, key {_shape(key)})")
-    if min(L, S, D, Dv, B, Hq, Hkv) == 0:
-        raise InputError(f"empty input: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}")
+    if min(S, D, Dv, Hq, Hkv) == 0 or (min(B, L) == 0 and not rows_may_be_empty):
+        raise InputError(f"empty input: query {_shape(query)}, key {_shape(key)}, value {_shape(value)}; "
+                         f"a batch or query length of 0 gives an empty result, but every call needs "
+                         f"keys, heads and a head dim")
     if Hq != Hkv:
         if not enable_gqa:
             raise InputError(f"query has {Hq} heads and key/value {Hkv}; pass enable_gqa=True for "

@@ -65,12 +65,13 @@ def ready() -> None:
         import flexcore.lowering.vjp as _vjp
 
 
-def check_call(query, key, value, score_mod, block_mask, scale, enable_gqa) -> None:
+def check_call(query, key, value, score_mod, block_mask, scale, enable_gqa,
+               rows_may_be_empty: bool = False) -> None:
     """Raise InputError naming the argument when the inputs cannot be attended by the kernels
     (the checks that read shapes, dtypes and devices only, which torch.compile traces too)."""
     if not isinstance(enable_gqa, bool):  # "no" would read as True
         raise InputError(f"enable_gqa must be True or False, got {enable_gqa!r}")
-    check_qkv(query, key, value, enable_gqa)
+    check_qkv(query, key, value, enable_gqa, rows_may_be_empty=rows_may_be_empty)
     D, Dv = query.shape[-1], value.shape[-1]
     if max(D, Dv) > 256:
         raise InputError(f"head dims up to 256 are supported; got D={D}, Dv={Dv}")
@@ -625,6 +626,28 @@ def check_indices(score_lowered, mask_lowered, B: int, Hq: int, L: int, S: int, 
 _warned_return_lse = False
 
 
+def _without_rows(query, key, value, score_mod, block_mask, scale, enable_gqa, kernel_options,
+                  sinks):
+    """(out, lse, max_scores) of a call with a batch or query length of 0: empty tensors of the
+    usual shapes and dtypes, after the checks a call with rows gets. They are tied to q, k, v and
+    the sinks by a zero term, so a backward gives those inputs zero gradients (their values reach
+    no row); tensors the score_mod captures get none."""
+    block_mask = coerce_block_mask(block_mask)
+    check_call(query, key, value, score_mod, block_mask, scale, enable_gqa, rows_may_be_empty=True)
+    KernelOptions.from_any(kernel_options)  # refused options are refused here too
+    B, Hq, L = query.shape[:3]
+    fp8 = query.dtype == FP8_DTYPE
+    acc = torch.float64 if query.dtype == torch.float64 else torch.float32
+    out = query.new_zeros((B, Hq, L, value.shape[-1]), dtype=torch.bfloat16 if fp8 else query.dtype)
+    lse = query.new_full((B, Hq, L), float("-inf"), dtype=acc)
+    max_scores = lse.clone()
+    if not fp8:  # FP8 inputs are forward-only
+        tie = sum((t.sum() * 0 for t in (query, key, value, sinks)
+                   if t is not None and t.requires_grad), query.new_zeros(()))
+        out, lse = out + tie.to(out.dtype), lse + tie.to(acc)
+    return out, lse, max_scores
+
+
 def _requested(return_lse, return_aux) -> tuple[bool, bool]:
     """(lse, max_scores) requested, with torch's rules: return_aux=AuxRequest(...) replaces the
     deprecated return_lse, and the two cannot be combined."""
@@ -721,10 +744,15 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
         check_sinks(sinks, query)
         if sinks.device.type == "cpu" and not torch.compiler.is_compiling():
             check_finite_sinks(sinks)
-    if descales is not None and torch.compiler.is_compiling():
+    if isinstance(query, Tensor) and query.dim() == 4 and (query.shape[0] == 0 or query.shape[2] == 0):
+        # No rows: nothing to launch. torch's flex_attention returns an empty output too.
+        out, lse, max_scores = _without_rows(query, key, value, score_mod, block_mask, scale,
+                                             enable_gqa, kernel_options, sinks)
+        sinks = None
+    elif descales is not None and torch.compiler.is_compiling():
         raise InputError("the FP8 (float8_e4m3fn) path of flex_attention runs eagerly, not under "
                          "torch.compile: call it outside the compiled region (torch.compiler.disable)")
-    if torch.compiler.is_compiling():
+    elif torch.compiler.is_compiling():
         block_mask = coerce_block_mask(block_mask)  # a torch BlockMask, as in an eager call
         # flexcore's forward op takes the sinks in, as an eager call's kernels do.
         out, lse, max_scores = ops.compiled_flex_attention(query, key, value, score_mod, block_mask,

@@ -155,7 +155,7 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
         >>> torch_err = flex_attention_reference(q, k, v, block_mask=bm, upcast=False)
     """
     descales = check_fp8_inputs(query, key, value, descale_q, descale_k, descale_v, device_check=False)
-    check_qkv(query, key, value, enable_gqa, dtypes=None)
+    check_qkv(query, key, value, enable_gqa, dtypes=None, rows_may_be_empty=True)
     if sinks is not None:
         check_sinks(sinks, query)
     B, Hq, L, D = query.shape
@@ -196,7 +196,7 @@ def flex_attention_reference(query: Tensor, key: Tensor, value: Tensor,
                             block_mask.BLOCK_SIZE if block_mask is not None else None, scale,
                             work_dtype, out_dtype, lse_dtype, sinks, probs_dtype)
 
-    rows_list = list(_row_chunks(L, B * Hq * S, _CHUNK_SCORES))
+    rows_list = list(_row_chunks(L, B * Hq * S, _CHUNK_SCORES)) or [slice(0, 0)]  # L == 0: one empty chunk
     # Checkpointing bounds the memory autograd keeps to one chunk of scores at a time; it re-runs
     # the mods in backward, which is harmless since they are pure.
     use_checkpoint = len(rows_list) > 1 and torch.is_grad_enabled()

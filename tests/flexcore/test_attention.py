@@ -675,3 +675,57 @@ def test_score_mods_of_part_of_the_tile(name, mask, L):
     assert rel_err(out, gold) < 1e-5
     for got, expected in zip(grads, gold_grads):
         assert rel_err(got, expected) < 1e-4
+
+
+@pytest.mark.parametrize("q_shape, kv_shape", [((0, 4, 3, 16), (0, 2, 40, 16)),
+                                                ((2, 4, 0, 16), (2, 2, 40, 16)),
+                                                ((2, 4, 0, 16), (1, 2, 40, 16))])
+def test_calls_without_rows_return_empty_results(q_shape, kv_shape):
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    from flexcore import AuxRequest
+
+    q = torch.randn(q_shape, requires_grad=True)
+    k, v = (torch.randn(kv_shape, requires_grad=True) for _ in range(2))
+    sinks = torch.zeros(q_shape[1], requires_grad=True)
+    slopes = torch.rand(q_shape[1], requires_grad=True)
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx)
+
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, q_shape[2],
+                             kv_shape[2], device="cpu") if q_shape[2] else None
+    out, aux = flex_attention(q, k, v, score_mod=alibi, block_mask=mask, enable_gqa=True, sinks=sinks,
+                              return_aux=AuxRequest(lse=True, max_scores=True))
+    assert out.shape == (*q_shape[:3], kv_shape[3]) and out.dtype == q.dtype
+    assert aux.lse.shape == aux.max_scores.shape == q_shape[:3] and aux.lse.dtype == torch.float32
+    want, want_lse = flex_attention_reference(q, k, v, score_mod=alibi, block_mask=mask, enable_gqa=True,
+                                              sinks=sinks, return_lse=True)
+    assert want.shape == out.shape and want_lse.shape == aux.lse.shape
+    if q_shape[0] == kv_shape[0]:  # torch's own call (which has no key/value batch of 1 without a mask)
+        got = torch_flex(q.detach(), k.detach(), v.detach(), enable_gqa=True)
+        assert got.shape == out.shape
+    # Values reach no row: zero gradients for q, k, v and the sinks, as a backward of the rows gives.
+    (out.sum() + aux.lse.sum()).backward()
+    for t in (q, k, v, sinks):
+        assert t.grad is not None and t.grad.shape == t.shape and not t.grad.any()
+    # The same under torch.compile, with no graph break.
+    compiled = torch.compile(lambda q, k, v: flex_attention(q, k, v, enable_gqa=True), fullgraph=True,
+                             backend="aot_eager")
+    assert compiled(q, k, v).shape == out.shape
+
+
+def test_calls_without_keys_heads_or_head_dims_are_refused():
+    for q_shape, kv_shape in [((1, 2, 3, 8), (1, 2, 0, 8)), ((1, 0, 3, 8), (1, 0, 10, 8)),
+                              ((1, 2, 3, 0), (1, 2, 10, 0))]:
+        with pytest.raises(InputError, match=r"empty input: query \(.*every call needs keys"):
+            flex_attention(torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape))
+    # A call without rows still gets the checks of a call with them.
+    q, kv = torch.randn(0, 2, 3, 8), torch.randn(0, 2, 10, 8)
+    mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 4, 10, device="cpu")
+    with pytest.raises(InputError, match="built for Q_LEN=4"):
+        flex_attention(q, kv, kv, block_mask=mask)
+    with pytest.raises(InputError, match="unknown kernel_options"):
+        flex_attention(q, kv, kv, kernel_options={"bogus": 1})
+    with pytest.raises(InputError, match="share a dtype"):
+        flex_attention(q, kv.double(), kv)
