@@ -17,6 +17,7 @@ Example (run under ``torchrun --nproc-per-node 2``; gloo on CPUs, NCCL on GPUs):
 from __future__ import annotations
 
 import atexit
+import functools
 import operator
 import types
 import weakref
@@ -25,6 +26,8 @@ from datetime import timedelta
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 __all__ = ["flex_attention", "create_block_mask_for_rank", "ContextParallelMask", "shard_sequence",
            "unshard_sequence", "shard_positions", "merge_by_lse", "ContextParallelError", "SHARDINGS",
@@ -426,23 +429,66 @@ def create_block_mask_for_rank(mask_mod, B: int | None, H: int | None, seq_len: 
 # ---- captured tensors --------------------------------------------------------------------------
 
 
-def _walk_captures(fn, seen=None):
-    """(name, tensor) of the tensors a plain Python function reads from its closure or globals,
-    following the functions it reads the same way."""
+def _walk_captures(obj, name: str = "", seen=None, depth: int = 0) -> list:
+    """(name, tensor) of the tensors a mod can read: a function's closure cells, globals and
+    default arguments, a partial's arguments, a bound method's object, a module's or callable
+    object's attributes, and the containers and functions these hold, as the lowering's guard key
+    reaches them (flexcore.lowering.cache). Each tensor once, under the first name found."""
     seen = set() if seen is None else seen
-    if not isinstance(fn, types.FunctionType) or id(fn) in seen:
+    if isinstance(obj, Tensor):
+        if id(obj) in seen:
+            return []
+        seen.add(id(obj))
+        return [(name, obj)]
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes, type, types.ModuleType)):
         return []
-    seen.add(id(fn))
+    if depth > 8 or id(obj) in seen:
+        return []
+    seen.add(id(obj))
     found = []
-    cells = zip(fn.__code__.co_freevars, fn.__closure__ or ())
-    values = [(name, cell.cell_contents) for name, cell in cells if _cell_ok(cell)]
-    values += [(name, fn.__globals__[name]) for name in _global_names(fn.__code__)
-               if name in fn.__globals__]
-    for name, value in values:
-        if isinstance(value, Tensor):
-            found.append((name, value))
-        elif isinstance(value, types.FunctionType):
-            found += _walk_captures(value, seen)
+
+    def walk(value, sub):
+        found.extend(_walk_captures(value, sub, seen, depth + 1))
+
+    if isinstance(obj, types.FunctionType):
+        for cell_name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+            if _cell_ok(cell):
+                walk(cell.cell_contents, cell_name)
+        for glob in _global_names(obj.__code__):
+            if glob in obj.__globals__:
+                walk(obj.__globals__[glob], glob)
+        for value in obj.__defaults__ or ():
+            walk(value, f"{obj.__name__} default")
+        for key, value in (obj.__kwdefaults__ or {}).items():
+            walk(value, key)
+    elif isinstance(obj, functools.partial):
+        walk(obj.func, name)
+        for i, value in enumerate(obj.args):
+            walk(value, f"{name or 'partial'} argument {i}")
+        for key, value in obj.keywords.items():
+            walk(value, key)
+    elif isinstance(obj, types.MethodType):
+        walk(obj.__self__, "self")
+        walk(obj.__func__, name)
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            walk(value, f"{name}[{i}]")
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            walk(value, f"{name}[{key!r}]")
+    elif isinstance(obj, torch.nn.Module):
+        prefix = f"{name}." if name else ""
+        for sub, t in (*obj.named_parameters(), *obj.named_buffers()):
+            walk(t, prefix + sub)
+        for attr, value in vars(obj).items():
+            if not attr.startswith("_"):  # plain tensor attributes, functions it holds
+                walk(value, prefix + attr)
+        walk(type(obj).forward, name)
+    elif callable(obj) and hasattr(obj, "__dict__"):
+        prefix = f"{name}." if name else ""
+        for attr, value in vars(obj).items():
+            walk(value, prefix + attr)
+        walk(type(obj).__call__, name)
     return found
 
 
@@ -463,13 +509,23 @@ def _global_names(code) -> set:
 
 
 def _captured_signature(*mods) -> list:
-    """Name, shape and dtype of every tensor the mods capture: ranks must agree on them (a tensor
-    that holds only the local shard on one rank shows up as a different shape there)."""
+    """Name, shape, dtype and requires_grad of every tensor the mods capture: ranks must agree on
+    them (a tensor that holds only the local shard on one rank shows up as a different shape
+    there; one that learns on some ranks only would leave the others waiting in the backward's
+    sum)."""
     out = []
     for mod in mods:
         for name, t in _walk_captures(mod):
-            out.append((name, tuple(t.shape), str(t.dtype)))
+            out.append((name, tuple(t.shape), str(t.dtype), bool(t.requires_grad)))
     return out
+
+
+def _mod_name(mod) -> str | None:
+    """What names a mod across ranks (ranks run one program: a differing name is a mix-up)."""
+    if mod is None:
+        return None
+    mod = getattr(mod, "func", mod)  # a partial's function
+    return getattr(mod, "__qualname__", None) or type(mod).__qualname__
 
 
 class _SumOverGroup(torch.autograd.Function):
@@ -493,37 +549,32 @@ class _SumOverGroup(torch.autograd.Function):
         return (None, d_token, *summed)
 
 
-def _rebind(fn, replace: dict, memo: dict):
-    """A copy of function ``fn`` that reads ``replace[id(t)]`` instead of each tensor ``t`` it
-    captures (closures and globals, through the functions it calls)."""
-    if not isinstance(fn, types.FunctionType):
-        return fn
-    if id(fn) in memo:
-        return memo[id(fn)]
-    memo[id(fn)] = fn  # cycles end at the original
+class _Substitute(TorchFunctionMode):
+    """Passes ``replace[id(t)]`` wherever a torch function gets tensor ``t``: a mod run under it
+    reads the group-summed identities of its learning tensors, however it holds them (closure,
+    module attribute, default argument, partial)."""
 
-    def swap(value):
-        if isinstance(value, Tensor):
-            return replace.get(id(value), value)
-        if isinstance(value, types.FunctionType):
-            return _rebind(value, replace, memo)
-        return value
+    def __init__(self, replace: dict):
+        super().__init__()
+        self.replace = replace
 
-    closure = None
-    if fn.__closure__:
-        closure = tuple(types.CellType(swap(c.cell_contents)) if _cell_ok(c) else c
-                        for c in fn.__closure__)
-    names = _global_names(fn.__code__)
-    changed = {n: swap(fn.__globals__[n]) for n in names if n in fn.__globals__}
-    changed = {n: v for n, v in changed.items() if v is not fn.__globals__[n]}
-    glb = fn.__globals__
-    if changed:
-        glb = dict(fn.__globals__)
-        glb.update(changed)
-    new = types.FunctionType(fn.__code__, glb, fn.__name__, fn.__defaults__, closure)
-    new.__kwdefaults__ = fn.__kwdefaults__
-    memo[id(fn)] = new
-    return new
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        def swap(x):
+            return self.replace.get(id(x), x) if isinstance(x, Tensor) else x
+
+        args, kwargs = tree_map(swap, (tuple(args), kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _substituted(score_mod, replaced: tuple, originals: tuple):
+    """``score_mod`` reading each of ``replaced`` where it reads the matching original tensor.
+    The replacements are a closure cell here, so the lowering's key (which counts tensors by
+    identity) changes with them, as it must: they are new tensors at every call."""
+    def cp_learning_score(score, b, h, q_idx, kv_idx):
+        with _Substitute({id(t): r for t, r in zip(originals, replaced)}):
+            return score_mod(score, b, h, q_idx, kv_idx)
+
+    return cp_learning_score
 
 
 # ---- merging partial results --------------------------------------------------------------------
@@ -782,7 +833,7 @@ def _pick_strategy(strategy: str, hq: int, hkv: int) -> str:
 def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, block_mask=None,
                    scale: float | None = None, enable_gqa: bool = False, kernel_options=None, *,
                    mask_mod=None, group=None, strategy: str = "auto", sharding: str | None = None,
-                   return_lse: bool = False, BLOCK_SIZE=128, check: bool = True,
+                   return_lse: bool = False, return_aux=None, BLOCK_SIZE=128, check: bool = True,
                    timeout_s: float = DEFAULT_TIMEOUT_S):
     """Context-parallel ``flexcore.flex_attention``: each rank passes its shard of the sequence.
 
@@ -800,39 +851,51 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
         group: process group or 1-D DeviceMesh (default: the world).
         strategy: ``"allgather"``, ``"ring"`` or ``"auto"`` (see :func:`_pick_strategy`).
         sharding: ``"zigzag"`` or ``"contiguous"``; default the block_mask's, else zigzag.
-        return_lse: also return the (B, Hq, S_local) log-sum-exp over the global keys.
+        return_lse: also return the (B, Hq, S_local) log-sum-exp over the global keys
+            (deprecated, as in torch: use ``return_aux``).
+        return_aux: an ``AuxRequest(lse=..., max_scores=...)``: lse as above (differentiable),
+            max_scores the rows' largest score over the global keys (not differentiable).
         BLOCK_SIZE: block size of the mask built from ``mask_mod``.
         check: exchange a signature of the inputs first (a small host collective on a gloo group,
             bounded by ``timeout_s``) so that bad input raises on every rank instead of hanging.
 
     Returns:
-        out (B, Hq, S_local, Dv); with ``return_lse``, ``(out, lse)``.
+        out (B, Hq, S_local, Dv); with ``return_aux``, ``(out, AuxOutput(lse, max_scores))``, a
+        field None unless requested; with ``return_lse``, ``(out, lse)``.
     """
     import torch.distributed as dist
 
+    from flexcore.attention import _requested
+
     what = "flexcore.distributed.flex_attention"
+    want_lse, want_max = _requested(return_lse, return_aux)
     group = _resolve_group(group, what)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     if sharding is None:
         sharding = block_mask.sharding if isinstance(block_mask, ContextParallelMask) else "zigzag"
     error = None
     try:
-        _check_inputs(query, key, value, block_mask, mask_mod, world, rank, sharding, strategy, what)
+        _check_inputs(query, key, value, block_mask, mask_mod, world, rank, sharding, strategy,
+                      enable_gqa, scale, what)
     except ContextParallelError as exc:
         if not check:
             raise
         error = str(exc).removeprefix(what + ": ")
     if check:
+        def described(t):
+            return (tuple(t.shape), str(t.dtype), bool(t.requires_grad)) if isinstance(t, Tensor) else None
+
+        mask_mod_used = getattr(block_mask, "mask_mod", None) if mask_mod is None else mask_mod
+        # What every rank must pass alike; an error on one rank after this point would leave the
+        # others waiting in a collective.
         signature = {
-            "query shape": tuple(query.shape) if isinstance(query, Tensor) else None,
-            "key shape": tuple(key.shape) if isinstance(key, Tensor) else None,
-            "value shape": tuple(value.shape) if isinstance(value, Tensor) else None,
-            "dtype": str(query.dtype) if isinstance(query, Tensor) else None,
-            "strategy": strategy, "sharding": sharding,
+            "query": described(query), "key": described(key), "value": described(value),
+            "enable_gqa": enable_gqa, "scale": scale, "strategy": strategy, "sharding": sharding,
+            "return_lse": return_lse, "return_aux": repr(return_aux),
             "mask": (block_mask.seq_len, block_mask.world_size)
             if isinstance(block_mask, ContextParallelMask) else None,
-            "captured tensors": _captured_signature(score_mod, mask_mod,
-                                                    getattr(block_mask, "mask_mod", None)),
+            "score_mod": _mod_name(score_mod), "mask_mod": _mod_name(mask_mod_used),
+            "captured tensors": _captured_signature(score_mod, mask_mod_used),
         }
         _agree(group, timeout_s, error, signature, what)
     seq_len = query.shape[2] * world
@@ -860,6 +923,8 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
     q_src = mask.src_tensor(rank)
     src_tensors = {s: mask.src_tensor(s) for s in range(world)}
 
+    maxima = []  # each part's max_scores, where requested
+
     def call(q, k, v, src, bm, user_score):
         from flexcore import AuxRequest
         from flexcore import flex_attention as local_attention
@@ -877,14 +942,16 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
             score = cp_score
         out, aux = local_attention(q, k, v, score_mod=score, block_mask=bm, scale=scale,
                                    enable_gqa=enable_gqa, kernel_options=kernel_options,
-                                   return_aux=AuxRequest(lse=True))
+                                   return_aux=AuxRequest(lse=True, max_scores=want_max))
+        if want_max:
+            maxima.append(aux.max_scores)
         return out, aux.lse
 
     user_score = score_mod
     replaced = []
     if sum_node is not None:
         token_sum, *replaced = _SumOverGroup.apply(group, token, *sum_node)
-        user_score = _rebind(score_mod, {id(t): r for t, r in zip(sum_node, replaced)}, {})
+        user_score = _substituted(score_mod, tuple(replaced), tuple(sum_node))
         token = token_sum
 
     def bound(q, k, v, src, bm):
@@ -904,10 +971,23 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
         tied = [t for t in (*tied, token, *replaced) if t.requires_grad]
         if tied:
             out = _Tie.apply(out, *tied)
+    if return_aux is not None:
+        from flexcore import AuxOutput
+
+        max_scores = None
+        if want_max:
+            max_scores = (torch.stack(maxima).amax(0) if maxima
+                          else torch.full_like(lse.detach(), -torch.inf))
+        return out, AuxOutput(lse=lse if want_lse else None, max_scores=max_scores)
     return (out, lse) if return_lse else out
 
 
-def _check_inputs(query, key, value, block_mask, mask_mod, world, rank, sharding, strategy, what):
+def _check_inputs(query, key, value, block_mask, mask_mod, world, rank, sharding, strategy,
+                  enable_gqa, scale, what):
+    from flexcore._validate import check_qkv
+    from flexcore.attention import check_scale
+    from flexcore.errors import InputError
+
     _check_sharding(sharding, what)
     if strategy not in STRATEGIES:
         raise ContextParallelError(f"{what}: strategy={strategy!r}; expected one of {STRATEGIES}")
@@ -916,6 +996,15 @@ def _check_inputs(query, key, value, block_mask, mask_mod, world, rank, sharding
             shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
             raise ContextParallelError(f"{what}: {name} has shape {shape}; expected this rank's "
                                        "shard (B, H, S_local, D)")
+    # The local call's own checks, here, so that a rank's error reaches every rank.
+    try:
+        if not isinstance(enable_gqa, bool):
+            raise InputError(f"enable_gqa must be True or False, got {enable_gqa!r}")
+        check_qkv(query, key, value, enable_gqa)
+        if scale is not None:
+            check_scale(scale)
+    except InputError as exc:
+        raise ContextParallelError(f"{what}: {exc}") from None
     if key.shape[2] != query.shape[2] or value.shape[2] != query.shape[2]:
         raise ContextParallelError(
             f"{what}: query, key and value shards must have the same length; got query "

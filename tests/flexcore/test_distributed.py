@@ -152,6 +152,19 @@ def _worker_bad_input(rank, world, port, out_dir):
 
     found["missing_global_score"] = _expect_error(lambda: cp.flex_attention(
         ql, kl, vl, score_mod=short_table, block_mask=bm))
+    # The same through a module attribute (a module as the score_mod).
+    found["missing_global_module"] = _expect_error(lambda: cp.flex_attention(
+        ql, kl, vl, score_mod=_TableBias(rel_bad), block_mask=bm))
+    # What the local call would refuse on one rank only must reach every rank before any transfer.
+    found["kv_dtype"] = _expect_error(lambda: cp.flex_attention(
+        ql, kl.double() if rank == 1 else kl, vl, block_mask=bm))
+    found["enable_gqa"] = _expect_error(lambda: cp.flex_attention(
+        ql, kl[:, :1], vl[:, :1], block_mask=bm, enable_gqa=rank == 0))
+    learning = torch.zeros(2 * S - 1, requires_grad=rank == 0)  # would wait in the backward's sum
+    found["learning_on_one_rank"] = _expect_error(lambda: cp.flex_attention(
+        ql, kl, vl, score_mod=_TableBias(learning), block_mask=bm))
+    found["mask_mods_differ"] = _expect_error(lambda: cp.flex_attention(
+        ql, kl, vl, mask_mod=mask_mod if rank == 0 else make_mods("prefix_lm", "cpu")[0], BLOCK_SIZE=32))
     # A rank that never arrives: the other's check times out instead of hanging.
     cp.flex_attention(ql, kl, vl, block_mask=bm, timeout_s=3)
     if rank == 0:
@@ -163,6 +176,71 @@ def _worker_bad_input(rank, world, port, out_dir):
         time.sleep(6)
     torch.save(found, Path(out_dir) / f"rank{rank}.pt")
     os._exit(0)  # no teardown: rank 0's timed-out group cannot finish its barrier
+
+
+class _TableBias(torch.nn.Module):
+    """A relative-position bias held by a module, as a model holds one: the score_mod is the
+    module itself, or its bound method."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return score + self.table[q_idx - kv_idx + S - 1]
+
+    def bias(self, score, b, h, q_idx, kv_idx):
+        return score + self.table[q_idx - kv_idx + S - 1]
+
+
+def _bias_with_default(score, b, h, q_idx, kv_idx, table=None):
+    return score + table[q_idx - kv_idx + S - 1]
+
+
+def _score_mod_kinds(table):
+    """Score_mods that read ``table`` other than through a closure or a global."""
+    module = _TableBias(torch.nn.Parameter(table.detach().clone()))
+    return {
+        "module": (module, module.table),
+        "bound method": (module.bias, module.table),
+        "partial": (functools.partial(_bias_with_default, table=table), table),
+        "default argument": (lambda s, b, h, q, k, t=table: s + t[q - k + S - 1], table),
+    }
+
+
+def _learning_table(dtype=torch.float32):
+    table = 0.1 * torch.randn(2 * S - 1, generator=torch.Generator().manual_seed(7))
+    return table.to(dtype).requires_grad_(True)
+
+
+def _worker_mod_kinds(rank, world, port, out_dir):
+    """The gradient of a learning table reached through each kind of score_mod (summed over the
+    group on every rank), and return_aux's lse and max_scores."""
+    import torch.distributed as dist
+
+    from flexcore import AuxRequest
+
+    try:
+        _init(rank, world, port)
+        mask_mod, _, _ = make_mods("causal", "cpu")
+        bm = cp.create_block_mask_for_rank(mask_mod, None, None, S, BLOCK_SIZE=32, device="cpu")
+        q, k, v, dout = full_inputs("cpu")
+        results = {}
+        for kind, (score_mod, table) in _score_mod_kinds(_learning_table()).items():
+            for strategy in ("ring", "allgather"):
+                table.grad = None
+                ql, kl, vl = (cp.shard_sequence(t).requires_grad_(True) for t in (q, k, v))
+                out, aux = cp.flex_attention(ql, kl, vl, score_mod=score_mod, block_mask=bm,
+                                             strategy=strategy,
+                                             return_aux=AuxRequest(lse=True, max_scores=True))
+                ((out * cp.shard_sequence(dout)).sum() + aux.lse.sum()).backward()
+                results[(kind, strategy)] = {"out": out.detach(), "dq": ql.grad, "dtable": table.grad.clone(),
+                                             "lse": aux.lse.detach(), "max": aux.max_scores}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
 
 
 def _worker_reinit(rank, world, port, out_dir, second_port):
@@ -302,14 +380,52 @@ def test_bad_input_raises_on_every_rank(tmp_path):
         "seq_len": "seq_len=130 is not divisible by 2 x world size = 4",
         "shard_len": "not divisible by 2 x world size = 4",
         "world": "built for rank",
-        "ranks_disagree": "query shape differs across ranks",
+        "ranks_disagree": "query differs across ranks",
         "missing_global": "rank 1",
         "missing_global_score": "captured tensors differs across ranks",
+        "missing_global_module": "captured tensors differs across ranks",
+        "kv_dtype": "rank 1: query, key and value must share a dtype",
+        "enable_gqa": "rank 1: query has 2 heads and key/value 1; pass enable_gqa=True",
+        "learning_on_one_rank": "captured tensors differs across ranks",
+        "mask_mods_differ": "mask_mod differs across ranks",
     }
     for rank, got in enumerate(found):
         for key, text in expect.items():
             assert text in got[key], f"rank {rank}, {key}: {got[key]!r}"
     assert "did not all arrive within 3 s" in found[0]["timeout"], found[0]["timeout"]
+
+
+def test_learning_tensors_of_modules_partials_and_defaults_get_the_summed_gradient(tmp_path):
+    from flexcore import create_block_mask
+    from flexcore.reference import flex_attention_reference
+
+    results = _spawn(_worker_mod_kinds, 2, tmp_path, timeout=300)
+    q, k, v, dout = (t.double() for t in full_inputs("cpu"))
+    mask_mod, _, _ = make_mods("causal", "cpu")
+    bm = create_block_mask(mask_mod, None, None, S, S, device="cpu", BLOCK_SIZE=32)
+    for kind in _score_mod_kinds(_learning_table()):
+        score_mod, table = _score_mod_kinds(_learning_table(torch.float64))[kind]
+        qq = q.clone().requires_grad_(True)
+        out, lse = flex_attention_reference(qq, k, v, score_mod=score_mod, block_mask=bm, return_lse=True)
+        ((out * dout).sum() + lse.sum()).backward()
+        with torch.no_grad():  # max_scores: the modded, masked scores' row maximum, written out
+            i = torch.arange(S).view(-1, 1)
+            scores = score_mod(q @ k.transpose(-1, -2) / D ** 0.5, 0, 0, i, i.T)
+            scores = scores.masked_fill(i < i.T, -torch.inf)
+        golden = {"out": out.detach(), "dq": qq.grad, "lse": lse.detach(), "max": scores.amax(-1)}
+        for strategy in ("ring", "allgather"):
+            label = f"{kind}/{strategy}"
+            for name in ("out", "dq", "lse", "max"):
+                pieces = [results[r][(kind, strategy)][name] for r in range(2)]
+                if name in ("lse", "max"):  # (B, H, S_local): unshard as (B, H, S_local, 1)
+                    got = _unshard([p.unsqueeze(-1) for p in pieces], 2).squeeze(-1)
+                else:
+                    got = _unshard(pieces, 2)
+                torch.testing.assert_close(got.double(), golden[name], atol=2e-5, rtol=1e-4,
+                                           msg=f"{label}: {name}")
+            for r in range(2):  # the full gradient on every rank, as in one process
+                torch.testing.assert_close(results[r][(kind, strategy)]["dtable"].double(), table.grad,
+                                           atol=2e-5, rtol=1e-4, msg=f"{label}: dtable on rank {r}")
 
 
 def test_a_second_process_group_gets_its_own_checking_group(tmp_path):
