@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import math
 import os
 import sysconfig
 from dataclasses import dataclass
@@ -240,6 +241,48 @@ _EXTRA_DECOMPOSITIONS = ("gelu", "elu", "leaky_relu", "hardtanh", "ldexp", "logs
                          "_softmax", "_log_softmax")
 
 
+def _float_operands(a, b):
+    """a and b as tensors of xlogy's result dtype (a Python number as a 0-d tensor)."""
+    dtype = torch.result_type(a, b)
+    if not dtype.is_floating_point:
+        dtype = torch.get_default_dtype()
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) else torch.scalar_tensor(t, dtype=dtype)
+                 for t in (a, b))
+
+
+def _safe_sinc(a):
+    # The branch not taken gets an operand where it is finite (1): its gradient there is then
+    # 0 · finite, not the 0 · NaN of sin(0)/0, and sinc'(0) = 0 as torch's own derivative says.
+    zero = a == 0
+    x = torch.where(zero, 1, a) * math.pi
+    return torch.where(zero, 1, torch.sin(x) / x)
+
+
+def _safe_xlog(log):
+    def xlog(a, b):
+        x, y = _float_operands(a, b)
+        zero = x == 0
+        # As _safe_sinc: log's operand is 1 (log1p's 0) where x is 0, so neither the value nor
+        # the gradient of the branch not taken is -inf or NaN (torch's xlogy gives 0 there).
+        safe = torch.where(zero, 0 if log is torch.log1p else 1, y)
+        out = torch.where(zero, 0, x * log(safe))
+        return torch.where(torch.isnan(y), math.nan, out)  # NaN in y wins, as in torch
+
+    return xlog
+
+
+def _safe_gradient_decompositions() -> dict:
+    """Decompositions that replace torch's where its ``where`` form has a NaN gradient in the
+    branch not taken (sinc and xlogy at 0): such a NaN reaches a captured tensor's gradient,
+    0 · NaN, where torch's own derivative is finite."""
+    aten = torch.ops.aten
+    xlogy, xlog1py = _safe_xlog(torch.log), _safe_xlog(torch.log1p)
+    return {aten.sinc.default: _safe_sinc,
+            aten.xlogy.Tensor: xlogy, aten.xlogy.Scalar_Self: xlogy, aten.xlogy.Scalar_Other: xlogy,
+            aten.special_xlog1py.default: xlog1py, aten.special_xlog1py.self_scalar: xlog1py,
+            aten.special_xlog1py.other_scalar: xlog1py}
+
+
 def decompositions() -> dict:
     """Decompositions applied while tracing: every op the code generator has no handler for,
     where torch's decomposition turns it into ops it has (silu -> mul, sigmoid; gelu -> erf ...)."""
@@ -257,6 +300,7 @@ def decompositions() -> dict:
             name = _packet_name(op)
             if name is not None and name not in handled:
                 table[op] = fn
+        table.update({op: fn for op, fn in _safe_gradient_decompositions().items() if op in table})
         _DECOMPOSITIONS = table
     return _DECOMPOSITIONS
 

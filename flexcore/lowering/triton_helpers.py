@@ -29,9 +29,11 @@ __all__ = ["fl_div_trunc_int", "fl_div_floor_int", "fl_remainder_int", "fl_div_f
 
 @triton.jit
 def fl_div_trunc_int(a, b):
-    # Work on magnitudes so that the result never depends on how `//` rounds negatives.
-    q = tl.abs(a) // tl.abs(b)
-    return tl.where((a < 0) != (b < 0), -q, q)
+    # `//` truncates on the GPU and floors under the interpreter: a floored quotient leaves a
+    # remainder of the divisor's sign, which moves it one up. (Magnitudes overflow at INT_MIN.)
+    q = a // b
+    r = a - q * b
+    return tl.where((r != 0) & ((r < 0) != (a < 0)), q + 1, q)
 
 
 @triton.jit

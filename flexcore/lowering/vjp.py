@@ -492,6 +492,9 @@ class _VjpCodegen(_codegen.ModCodegen):
         found = self.env.get(grad) if isinstance(grad, Node) else None
         if isinstance(found, _GradSum):
             terms = found.terms
+        elif shape and isinstance(found, Lanes) and tuple(found.shape) == tuple(shape):
+            # A captured tensor read whole (``(w * score).sum()``): one lane per element.
+            terms = [([None] * len(shape), found)]
         else:  # a 0-d captured tensor: its gradient is an ordinary per-position value
             terms = [([], self.value(grad))]
         for indices, value in terms:

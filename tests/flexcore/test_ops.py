@@ -68,6 +68,11 @@ OPS = {
     "logaddexp2": Op(lambda x, y, q, kv, h, T: torch.logaddexp2(x, y)),
     "xlogy": Op(lambda x, y, q, kv, h, T: torch.xlogy(x, y), y=(0.1, 4)),
     "xlog1py": Op(lambda x, y, q, kv, h, T: torch.special.xlog1py(x, y), y=(-0.5, 4)),
+    # x = 0 where log's operand is 0 (log1p's -1): torch gives 0 and a derivative of 0 in x.
+    "xlogy_at_zero": Op(lambda x, y, q, kv, h, T: torch.xlogy(x * (q != kv), (q - kv).abs().double())
+                        + torch.special.xlog1py(x * (q != kv), (q - kv).abs().double() - 1) + x),
+    "xlogy_scalars": Op(lambda x, y, q, kv, h, T: torch.xlogy(2.0, y) + torch.xlogy(x, 3.0)
+                        + torch.special.xlog1py(0.5, y) + torch.special.xlog1py(x, 2.0), y=(0.1, 4)),
     "entr": Op(lambda x, y, q, kv, h, T: torch.special.entr(x), x=(0.05, 3)),
     "logit": Op(lambda x, y, q, kv, h, T: torch.logit(x), x=(0.05, 0.95)),
     # trigonometric and hyperbolic
@@ -87,6 +92,8 @@ OPS = {
     "hypot": Op(lambda x, y, q, kv, h, T: torch.hypot(x, y)),
     "deg2rad_rad2deg": Op(lambda x, y, q, kv, h, T: torch.deg2rad(x) + torch.rad2deg(y) * 0.01),
     "sinc": Op(lambda x, y, q, kv, h, T: torch.sinc(x)),
+    # At the point where torch's decomposition divides 0 by 0 (its derivative there is 0).
+    "sinc_at_zero": Op(lambda x, y, q, kv, h, T: torch.sinc(x * (q != kv)) + x),
     # special functions
     "erf": Op(lambda x, y, q, kv, h, T: torch.erf(x)),
     "erfc": Op(lambda x, y, q, kv, h, T: torch.erfc(x)),
@@ -163,6 +170,11 @@ OPS = {
     "int_floordiv_remainder_fmod": Op(lambda x, y, q, kv, h, T: x + 0.1 * (
         torch.floor_divide(q - 7, 3) + torch.remainder(kv - 11, 4) + torch.fmod(q - 9, 4)
         + torch.div(kv - 5, -3, rounding_mode="trunc"))),
+    # INT32_MIN as the dividend (a wrapped hash): its magnitude does not fit the type.
+    "int_min_division": Op(lambda x, y, q, kv, h, T: x + 1e-9 * ((kv - 2**31) // 7 + (kv - 2**31) % 5
+                                                              + torch.fmod(kv - 2**31, 3)
+                                                              + torch.div(q - 2**31, -7,
+                                                                          rounding_mode="trunc"))),
     "bitwise": Op(lambda x, y, q, kv, h, T: x + 0.01 * ((q & kv) + (q | 5) + (q ^ kv) + (~kv)
                                                         + torch.bitwise_left_shift(q, 2)
                                                         + torch.bitwise_right_shift(kv, 1))),
@@ -187,6 +199,8 @@ OPS = {
                                + torch.stack([x, y]).cumprod(0)[1]),
     "argmax": Op(lambda x, y, q, kv, h, T: torch.stack([x, y, -x]).argmax().float() + x
                  + torch.stack([x, y]).max(0).values),
+    # A captured vector read whole: its gradient has one lane per element.
+    "whole_capture": Op(lambda x, y, q, kv, h, T: torch.logsumexp(x * T["w"], 0) + (T["w"] * y).sum()),
     "dot_mla": Op(lambda x, y, q, kv, h, T: x + 0.5 * torch.dot(T["qr"][0, h, q], T["kr"][0, 0, kv])),
     "matmul_mv_mm": Op(lambda x, y, q, kv, h, T: x + (T["m"][h] @ T["kr"][0, 0, kv]).sum()
                        + (T["kr"][0, 0, kv] @ T["m"][h].T)[1]
