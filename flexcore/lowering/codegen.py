@@ -558,6 +558,8 @@ class ModCodegen(ShapeOps):
         (a,) = self._args(node)
         out = self._out_dtype(node)
         compute = opmath(out)
+        if compute.is_floating_point:  # Triton's -x is 0 - x, which maps +0 to +0 where torch gives -0
+            return self._finish_op(f"({self.cast(a, compute)} * -1.0)", compute, out, a.deps)
         return self._finish_op(f"-{self.cast(a, compute)}", compute, out, a.deps)
 
     def _op_abs(self, node):

@@ -120,6 +120,12 @@ def literal(value, dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return f"tl.full([], {bool(value)}, tl.int1)"
     if dtype.is_floating_point:
+        if value == 0 and math.copysign(1.0, value) < 0:
+            # A -0.0 constant: Triton's constants lose the sign (under the interpreter, at least),
+            # a product of tensors keeps it.
+            kind = "tl.float32" if dtype == torch.bfloat16 else TL_TYPES[dtype]
+            cast = ".to(tl.bfloat16)" if dtype == torch.bfloat16 else ""
+            return f"(tl.full([], 0.0, {kind}) * -1.0){cast}"
         if dtype == torch.bfloat16:
             # Rounded here and converted exactly: the interpreter has no bfloat16 constants.
             exact = float(torch.tensor(float(value), dtype=dtype))

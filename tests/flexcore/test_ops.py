@@ -143,6 +143,9 @@ OPS = {
     "floor_divide_float": Op(lambda x, y, q, kv, h, T: torch.floor_divide(x, 0.3) + x,
                              differentiable=False),
     "copysign": Op(lambda x, y, q, kv, h, T: torch.copysign(x, y)),
+    # Signed zeros: a negated +0 and a -0.0 constant are -0, as in torch.
+    "signed_zero": Op(lambda x, y, q, kv, h, T: x + torch.copysign(x * 0 + 1, -(x * 0))
+                      + torch.copysign(y * 0 + 2, (q - kv) * -0.0)),
     "lerp_addcmul_addcdiv": Op(lambda x, y, q, kv, h, T: torch.lerp(x, y, 0.3)
                                + torch.addcmul(x, x, y, value=0.5)
                                + torch.addcdiv(x, x, y, value=0.5), y=(0.5, 3)),
