@@ -15,7 +15,8 @@ Exit status: 0 when the run measured something and every correctness check passe
 provider measured any case, a check failed (``--keep-going`` accepts failed checks) or a process of
 ``--processes`` failed; 2 for bad
 input (a config, a flag, a device, a results file) or an output folder that is in use or holds
-another run, each with a one-line message.
+another run, each with a one-line message; 130 on Ctrl-C (one line: where the finished cases are,
+and ``--resume``).
 """
 from __future__ import annotations
 
@@ -50,6 +51,16 @@ def _ints(text: str | None, flag: str = "") -> list[int] | None:
     return values
 
 
+def _listed(items: list[str] | None, flag: str) -> list[str] | None:
+    """``items`` of a list flag that was given; an empty one (``--variants ""``) is an error, not
+    "no filter": an empty filter would otherwise run the whole grid."""
+    from bench.grid import ConfigError
+
+    if items is not None and not items:
+        raise ConfigError(f"{flag} is empty: give comma-separated values, or leave {flag} out")
+    return items
+
+
 def _variants(text: str | None) -> list[str] | None:
     """Comma-separated specs; commas inside parentheses belong to the parameters."""
     if text is None:
@@ -76,6 +87,10 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return value
+
+
+class Interrupted(Exception):
+    """Ctrl-C: the message says what was kept and how to go on (exit status 130)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -168,6 +183,9 @@ def _run(args) -> int:
     from bench import grid as grid_mod
     from bench import runner, spread
 
+    for flag, items in (("--variants", _variants(args.variants)), ("--providers", _csv(args.providers)),
+                        ("--passes", _csv(args.passes)), ("--dtype", _csv(args.dtype))):
+        _listed(items, flag)
     overrides = {name: _ints(getattr(args, name), "--" + name.replace("_", "-"))
                  for name in _SHAPE_FLAGS if getattr(args, name) is not None}
     device = grid_mod.check_device(args.device)
@@ -203,12 +221,18 @@ def _run(args) -> int:
                                    "is a plain run: leave --processes out)")
     print(f"{len(grid.cases)} cases × {len(grid.providers)} providers"
           + (f" × {args.processes} processes" if args.processes else "") + f" -> {out}", file=sys.stderr)
-    if args.processes:
-        path = spread.run_processes(grid, out, args.processes, device=device, resume=args.resume,
-                                    force=args.force, progress=not args.no_progress)
-    else:
-        path = runner.run(grid, out, device=device, resume=args.resume, force=args.force,
-                          progress=not args.no_progress)
+    try:
+        if args.processes:
+            path = spread.run_processes(grid, out, args.processes, device=device, resume=args.resume,
+                                        force=args.force, progress=not args.no_progress)
+        else:
+            path = runner.run(grid, out, device=device, resume=args.resume, force=args.force,
+                              progress=not args.no_progress)
+    except KeyboardInterrupt:
+        # The finished cases are fsynced as they end (the interrupted one is redone): say where.
+        kept = out / spread.PROCESSES_DIR / "<k>" / "rows.jsonl" if args.processes else out / "rows.jsonl"
+        raise Interrupted(f"the finished cases are kept in {kept}; run the same command with --resume "
+                          "to continue") from None
     print(path)
     data = runner.load_results(path)
     rows = data["rows"]
@@ -244,6 +268,8 @@ def _first_call(args, argv: list[str]) -> int:
     from bench.providers import PROVIDERS
     from bench.runner import default_device
 
+    for flag, items in (("--variants", _variants(args.variants)), ("--providers", _csv(args.providers))):
+        _listed(items, flag)
     providers = _csv(args.providers) or ["flexlab", "torch_flex"]
     unknown = [p for p in providers if p not in PROVIDERS]
     if unknown:
@@ -315,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     except (FirstCallError, SpreadError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 1
+    except Interrupted as exc:  # 130 = 128 + SIGINT, what a shell reports for Ctrl-C
+        print(f"interrupted: {exc}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 1
 
 

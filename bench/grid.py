@@ -226,7 +226,8 @@ _SEGMENT_SETTINGS = ("max_minutes",)
 
 def normalized(config: dict) -> dict:
     """What identifies a run's measurements, from a :meth:`Grid.to_dict` mapping: the set of case
-    ids, the set of providers and the settings (defaults filled in, ``max_minutes`` left out)."""
+    ids, the set of providers, the settings (defaults filled in, ``max_minutes`` left out) and,
+    for a run of several processes (``run --processes N``), their count."""
     cases = [case_from_dict(c).case_id for c in config.get("cases") or []]
     settings = {**dataclasses.asdict(Settings()), **(config.get("settings") or {})}
     for f in dataclasses.fields(Settings):  # 100 and 100.0 are the same rep_ms
@@ -235,8 +236,12 @@ def normalized(config: dict) -> dict:
             settings[f.name] = float(value)
     for key in _SEGMENT_SETTINGS:
         settings.pop(key, None)
-    return {"cases": sorted(set(cases)), "providers": sorted(set(config.get("providers") or [])),
-            "settings": settings}
+    out = {"cases": sorted(set(cases)), "providers": sorted(set(config.get("providers") or [])),
+           "settings": settings}
+    # Only a count above 1 is recorded, so that a plain run's fingerprint stays what it was.
+    if config.get("processes") not in (None, 1):
+        out["processes"] = config["processes"]
+    return out
 
 
 def fingerprint(config: dict) -> str:
@@ -259,6 +264,8 @@ def config_differences(stored: dict, current: dict) -> list[str]:
     for key in sorted(set(old["settings"]) | set(new["settings"])):
         if old["settings"].get(key) != new["settings"].get(key):
             out.append(f"settings.{key}: {old['settings'].get(key)!r} -> {new['settings'].get(key)!r}")
+    if old.get("processes", 1) != new.get("processes", 1):
+        out.append(f"processes: {old.get('processes', 1)} -> {new.get('processes', 1)} (--processes N)")
     return out
 
 
@@ -520,6 +527,75 @@ def _pairs(values, what: str, words: str) -> list[tuple[int, int]]:
     return out
 
 
+def _heads(group: dict, where: str) -> list[tuple[int, int]]:
+    """A group's (query heads, kv heads) pairs: ``heads`` × ``kv_heads``, or ``heads`` alone
+    (an integer, or a [query heads, kv heads] pair)."""
+    if "kv_heads" in group:
+        return [(_int(h, f"{where}.heads"), _int(kv, f"{where}.kv_heads"))
+                for h in _as_list(group.get("heads"), f"{where}.heads")
+                for kv in _as_list(group["kv_heads"], f"{where}.kv_heads")]
+    return _pairs(group.get("heads"), f"{where}.heads", "a positive integer or [query heads, kv heads]")
+
+
+def _flag(key: str) -> str:
+    """The command-line flag of an override key (``kv_heads`` -> ``--kv-heads``)."""
+    return "--" + key.replace("_", "-")
+
+
+_SHAPE_KEYS = ("batch", "seq", "q_len", "kv_len")
+
+
+def _flag_ints(overrides: dict, key: str) -> list[int] | None:
+    if key not in overrides:
+        return None
+    return [_int(v, _flag(key)) for v in _as_list(overrides[key], _flag(key))]
+
+
+def _override_group(group: dict, overrides: dict, where: str) -> dict:
+    """``group`` with the command line's ``overrides``. Each flag changes only the axis it names:
+    ``--q-len`` keeps each shape's KV length, ``--kv-heads`` each pair's query heads, ``--batch``
+    the lengths; a shape or head pair is replaced by one per value given."""
+    g = {**group, **{k: v for k, v in overrides.items()
+                     if k not in _SHAPE_KEYS and k not in ("heads", "kv_heads")}}
+    if "shapes" in overrides:
+        for k in _SHAPE_KEYS:
+            g.pop(k, None)
+    elif any(k in overrides for k in _SHAPE_KEYS):
+        batches, seqs = _flag_ints(overrides, "batch"), _flag_ints(overrides, "seq")
+        q_lens, kv_lens = _flag_ints(overrides, "q_len"), _flag_ints(overrides, "kv_len")
+        new = []
+        for b, q, kv in _shapes(group, where):
+            lengths = [(s, s) for s in seqs] if seqs else [
+                (q2, kv2) for q2 in (q_lens or [q]) for kv2 in (kv_lens or [kv])]
+            new += [(b2, q2, kv2) for b2 in (batches or [b]) for q2, kv2 in lengths]
+        for k in _SHAPE_KEYS:
+            g.pop(k, None)
+        g["shapes"] = [list(s) for s in dict.fromkeys(new)]
+    if "heads" in overrides or "kv_heads" in overrides:
+        q_heads = kv_heads = None
+        if "kv_heads" not in overrides and any(isinstance(h, (list, tuple)) for h in
+                                               _as_list(overrides["heads"], "--heads")):
+            # [query heads, kv heads] pairs (the config's form) replace the group's pairs.
+            pairs = _pairs(overrides["heads"], "--heads", "a positive integer or [query heads, kv heads]")
+        else:
+            q_heads, kv_heads = _flag_ints(overrides, "heads"), _flag_ints(overrides, "kv_heads")
+            pairs = []
+            for hq, hkv in _heads(group, where):
+                for hq2 in q_heads or [hq]:
+                    # A group without GQA stays without it when only --heads is given.
+                    for hkv2 in kv_heads or ([hq2] if hq == hkv else [hkv]):
+                        pairs.append((hq2, hkv2))
+        for hq, hkv in pairs:
+            if hq % hkv:
+                flags = " and ".join(_flag(k) for k in ("heads", "kv_heads") if k in overrides)
+                raise ConfigError(f"{flags}: {hq} query heads are not a multiple of {hkv} KV heads "
+                                  f"(with {where}.heads {group.get('heads')!r}); give --heads and "
+                                  "--kv-heads so that the query heads are a multiple of the KV heads")
+        g.pop("kv_heads", None)
+        g["heads"] = [list(p) for p in dict.fromkeys(pairs)]
+    return g
+
+
 _GROUP_KEYS = ("variants", "shapes", "batch", "seq", "q_len", "kv_len", "heads", "kv_heads",
                "head_dim", "dtype", "passes")
 
@@ -535,13 +611,7 @@ def expand_group(group: dict, where: str = "group") -> list[Case]:
     for v in variants:
         if not isinstance(v, str) or not v.strip():
             raise ConfigError(f"{where}.variants entry {v!r}: expected a variant spec (a string)")
-    if "kv_heads" in group:
-        heads = [(_int(h, f"{where}.heads"), _int(kv, f"{where}.kv_heads"))
-                 for h in _as_list(group.get("heads"), f"{where}.heads")
-                 for kv in _as_list(group["kv_heads"], f"{where}.kv_heads")]
-    else:
-        heads = _pairs(group.get("heads"), f"{where}.heads",
-                       "a positive integer or [query heads, kv heads]")
+    heads = _heads(group, where)
     dims = _pairs(group.get("head_dim"), f"{where}.head_dim", "a positive integer or [D, Dv]")
     dtypes = [_norm_dtype(d) for d in _as_list(group.get("dtype", ["bfloat16"]), f"{where}.dtype")]
     passes = [_norm_pass(p) for p in _as_list(group.get("passes", ["fwd"]), f"{where}.passes")]
@@ -628,24 +698,20 @@ def build_grid(config: dict, name: str = "grid", *, variants=None, passes=None, 
                               "(group keys go inside [[groups]])")
         if not isinstance(groups, list) or not groups:
             raise ConfigError(f"groups: expected a non-empty list of groups, got {groups!r}")
+    # An empty filter is a mistake (``--variants ""``), never "keep all": that would run the whole grid.
+    for flag, given in (("--variants", variants), ("--passes", passes), ("--providers", providers),
+                        ("--dtype", dtypes)):
+        if given is not None and not list(given):
+            raise ConfigError(f"{flag} is empty: give at least one value, or leave {flag} out to keep "
+                              "the config's")
     name = config.get("name", name)
     if not isinstance(name, str) or not name:
         raise ConfigError(f"name={name!r}: expected a non-empty string")
     if overrides:
-        groups = [{**g, **overrides} if isinstance(g, dict) else g for g in groups]
-        for i, g in enumerate(groups):
-            # Flags that give batch/seq replace a group's shapes, and the reverse.
-            if "shapes" in overrides:
-                for k in ("batch", "seq", "q_len", "kv_len"):
-                    g.pop(k, None)
-            elif any(k in overrides for k in ("batch", "seq", "q_len", "kv_len")):
-                if "shapes" in g:
-                    old = _shapes(g, f"groups[{i}]")
-                    g.pop("shapes")
-                    g.setdefault("batch", sorted({b for b, _, _ in old}))
-                    if not any(k in g for k in ("seq", "q_len")):
-                        g["q_len"] = sorted({q for _, q, _ in old})
-                        g["kv_len"] = sorted({kv for _, _, kv in old})
+        if "seq" in overrides and ("q_len" in overrides or "kv_len" in overrides):
+            raise ConfigError("--seq sets both lengths: give --seq alone, or --q-len and/or --kv-len")
+        groups = [_override_group(g, overrides, f"groups[{i}]" if listed else "config")
+                  if isinstance(g, dict) else g for i, g in enumerate(groups)]
     pass_filter = {_norm_pass(p) for p in passes} if passes else None
     dtype_filter = {_norm_dtype(d) for d in dtypes} if dtypes else None
     cases: list[Case] = []

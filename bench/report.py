@@ -13,7 +13,8 @@
 
 Several inputs (two GPUs, two commits) are compared side by side: each is a ``source``. A run of
 several processes (``run --processes N``, bench.spread) shows the median over its processes in each
-cell, and the spread of the processes' median times in a table of its own.
+cell (the errors: the worst process's), and the spread of the processes' median times in a table
+of its own.
 """
 from __future__ import annotations
 
@@ -59,13 +60,15 @@ class Source:
     path: str
     envs: list
     rows: list
+    notes: list = field(default_factory=list)  #: what a reader must know beside the table (:func:`_notes`)
 
 
 @dataclass
 class Cell:
     """A (source, case, provider): its metrics and status. In a run of several processes each
-    metric is the median over the processes, and ``process_times`` holds each process's median
-    time (ms) by process number."""
+    metric is the median over the processes, but for the correctness metrics (``out_max_abs``,
+    ``out_correct``, ...), which are the worst process's (:func:`_worst_process`); and
+    ``process_times`` holds each process's median time (ms) by process number."""
 
     metrics: dict
     status: str
@@ -80,7 +83,7 @@ def load_sources(paths, labels=None) -> list[Source]:
         envs = data.get("envs") or []
         label = labels[i] if labels and i < len(labels) else (
             env_mod.label(envs[-1]) if envs else Path(path).stem)
-        sources.append(Source(label, str(path), envs, data["rows"]))
+        sources.append(Source(label, str(path), envs, data["rows"], _notes(data)))
     seen = defaultdict(int)
     for s in sources:  # two runs on the same GPU and commit still need distinct names
         seen[s.label] += 1
@@ -92,23 +95,56 @@ def load_sources(paths, labels=None) -> list[Source]:
     return sources
 
 
+def _notes(data: dict) -> list[str]:
+    """What the table of a results payload does not show: a run that is not finished (its table
+    holds fewer cases than its config), and records of rows.jsonl outside its config.json (left
+    out of the table)."""
+    notes = []
+    done, total = data.get("cases_done"), data.get("cases_total")
+    if data.get("complete") is False and total:
+        notes.append(f"incomplete: {done} of {total} cases (the run stopped early or is still running; "
+                     "`python -m bench run ... --resume` finishes it)")
+    outside = data.get("cases_outside_config") or []
+    if outside:
+        rows = data.get("rows_outside_config")
+        notes.append(f"{'' if rows is None else f'{rows} rows of '}{len(outside)} case(s) in rows.jsonl "
+                     f"lie outside config.json and are left out (e.g. {outside[0]!r})")
+    return notes
+
+
+def _notes_text(sources) -> list[str]:
+    """``note: ...`` lines of the sources (each prefixed with its label when there are several)."""
+    multi = len(sources) > 1
+    return [f"note: {s.label}: {n}" if multi else f"note: {n}" for s in sources for n in s.notes]
+
+
 def _case_key(row: dict) -> tuple:
-    return (row["variant"], row["pass"], row["dtype"], int(row["head_dim"]), int(row["q_heads"]),
-            int(row["kv_heads"]), int(row["batch"]), int(row["q_len"]), int(row["kv_len"]))
+    """(variant, pass, dtype, D, Hq, Hkv, B, Q, KV, Dv): every field of the case id, so that two
+    cases never share a row (results without ``v_head_dim`` have Dv = D)."""
+    d = int(row["head_dim"])
+    dv = row.get("v_head_dim")
+    return (row["variant"], row["pass"], row["dtype"], d, int(row["q_heads"]), int(row["kv_heads"]),
+            int(row["batch"]), int(row["q_len"]), int(row["kv_len"]), d if dv in (None, "") else int(dv))
+
+
+def _dims_text(key: tuple) -> str:
+    """``D=64``, or ``D=64/128`` when the value head dim differs."""
+    d, dv = key[3], key[9]
+    return f"D={d}" if d == dv else f"D={d}/{dv}"
 
 
 def _shape_text(key: tuple) -> str:
-    variant, p, dtype, d, hq, hkv, b, q, kv = key
+    variant, p, dtype, d, hq, hkv, b, q, kv, dv = key
     heads = f"H={hq}" if hq == hkv else f"H={hq}/{hkv}"
     seq = f"S={kv}" if q == kv else f"Q={q} KV={kv}"
-    return f"B={b} {heads} {seq} D={d}"
+    return f"B={b} {heads} {seq} {_dims_text(key)}"
 
 
 def build_cells(sources: list[Source]) -> tuple[dict, list[tuple], list[str]]:
     """{(source, case_key, provider): Cell}, the sorted case keys, the providers in first-seen order."""
     cells: dict = {}
     cases, providers = {}, {}
-    by_process = defaultdict(list)  # (cell key, metric) -> the values of a run's processes
+    by_process = defaultdict(dict)  # (cell key, metric) -> {process: value} of a run's processes
     for s in sources:
         for row in s.rows:
             key = _case_key(row)
@@ -124,7 +160,7 @@ def build_cells(sources: list[Source]) -> tuple[dict, list[tuple], list[str]]:
                 cell.metrics[row["metric"]] = row["value"]
                 process = row.get("process")
                 if process is not None and isinstance(row["value"], (int, float)):
-                    by_process[(cell_key, row["metric"])].append(row["value"])
+                    by_process[(cell_key, row["metric"])][int(process)] = row["value"]
                     if row["metric"] == "time_ms" and row["status"] == "ok":
                         cell.process_times[int(process)] = row["value"]
                 if row["status"] == "fail":
@@ -133,16 +169,47 @@ def build_cells(sources: list[Source]) -> tuple[dict, list[tuple], list[str]]:
                     cell.metrics.setdefault("_errors", []).append(f"{row['metric']}: {row.get('note')}")
                 if row["metric"] in ("time_ms", "compile_s") and row.get("note"):
                     cell.metrics.setdefault("_note", row["note"])
+    errors = defaultdict(lambda: defaultdict(dict))  # (cell key, prefix) -> {process: {metric: value}}
     for (cell_key, metric), values in by_process.items():
-        if len(values) > 1:
-            cells[cell_key].metrics[metric] = statistics.median(values)
+        prefix = _error_prefix(metric)
+        if prefix is not None:
+            for process, value in values.items():
+                errors[(cell_key, prefix)][process][metric] = value
+        elif len(values) > 1:
+            cells[cell_key].metrics[metric] = statistics.median(values.values())
+    for (cell_key, prefix), per_process in errors.items():
+        if len(per_process) > 1:
+            cells[cell_key].metrics.update(_worst_process(prefix, per_process.values()))
     order = {"fwd": 0, "fp8": 0.5, "fwd_bwd": 1, "decode": 2, "train_step": 3}
     variant_order = {}
     for s in sources:
         for row in s.rows:
             variant_order.setdefault(row["variant"], len(variant_order))
-    keys = sorted(cases, key=lambda k: (order.get(k[1], 9), variant_order[k[0]], k[6:], k[4:6], k[3], k[2]))
+    keys = sorted(cases, key=lambda k: (order.get(k[1], 9), variant_order[k[0]], k[6:9], k[4:6], k[3], k[9],
+                                        k[2]))
     return cells, keys, list(providers)
+
+
+#: Suffixes of the correctness metrics (``out_max_abs``, ``dq_correct``, ...).
+_ERROR_SUFFIXES = ("_max_abs", "_mean_abs", "_rel_fro", "_tolerance", "_correct")
+
+
+def _error_prefix(metric: str) -> str | None:
+    """``out`` of ``out_max_abs``; None for a metric that is not a correctness metric."""
+    return next((metric[:-len(s)] for s in _ERROR_SUFFIXES if metric.endswith(s)), None)
+
+
+def _worst_process(prefix: str, per_process) -> dict:
+    """The ``prefix_*`` error metrics of the worst of a run's processes: one whose check failed,
+    else (and among those) the largest max abs error. A correctness cell is judged by its worst
+    process, not the median, so that one failing process fails it (as the summary's ✗ does); its
+    metrics come from one process, so that its max abs error and tolerance belong together."""
+    def badness(metrics):
+        error = metrics.get(f"{prefix}_max_abs", -math.inf)
+        error = math.inf if math.isnan(error) else error  # a NaN error is the worst there is
+        return metrics.get(f"{prefix}_correct", 1) != 1, error
+
+    return max(per_process, key=badness)
 
 
 def pick_baseline(cells: dict, providers: list[str], requested: str | None) -> str | None:
@@ -239,7 +306,10 @@ RATIO_PROVIDER = "flexlab"
 
 
 def _time(cell: Cell | None):
-    return cell.metrics.get("time_ms") if cell is not None and cell.status == "ok" else None
+    """A cell's median time for ratios: None unless the provider ran (status ok) and the time is a
+    finite positive number (a NaN would make every ratio and geometric mean it enters NaN)."""
+    t = cell.metrics.get("time_ms") if cell is not None and cell.status == "ok" else None
+    return t if isinstance(t, (int, float)) and math.isfinite(t) and t > 0 else None
 
 
 def spread_rows(sources, cells, keys, providers) -> tuple[list[str], list[list[str]]]:
@@ -338,8 +408,9 @@ def speedups(sources, cells, keys, providers, baseline) -> dict:
                         continue
                     base = cells.get((s.label, key, baseline))
                     cell = cells.get((s.label, key, prov))
-                    tb = base.metrics.get("time_ms") if base else None
-                    tp = cell.metrics.get("time_ms") if cell else None
+                    # The same cells as the summary table's ratios: a provider that did not run
+                    # (status error, ...) or a NaN time gives no bar.
+                    tb, tp = _time(base), _time(cell)
                     if tb and tp:
                         per_variant[key[0]].append(tb / tp)
                 for variant, values in per_variant.items():
@@ -349,7 +420,7 @@ def speedups(sources, cells, keys, providers, baseline) -> dict:
 
 def tflops_series(sources, cells, keys, providers) -> dict:
     """{(pass, variant): {line label: [(kv_len, TFLOP/s), ...]}} for lines over sequence length."""
-    varying_d = len({k[3] for k in keys}) > 1
+    varying_d = len({(k[3], k[9]) for k in keys}) > 1
     varying_dtype = len({k[2] for k in keys}) > 1
     multi = len(sources) > 1
     out: dict = defaultdict(lambda: defaultdict(list))
@@ -360,8 +431,8 @@ def tflops_series(sources, cells, keys, providers) -> dict:
                 tf = cell.metrics.get("tflops") if cell else None
                 if tf is None:
                     continue
-                label = prov + (f" D={key[3]}" if varying_d else "") + (f" {key[2]}" if varying_dtype else "") \
-                    + (f" [{s.label}]" if multi else "")
+                label = (prov + (f" {_dims_text(key)}" if varying_d else "")
+                         + (f" {key[2]}" if varying_dtype else "") + (f" [{s.label}]" if multi else ""))
                 out[(key[1], key[0])][label].append((key[8], tf))
     for series in out.values():
         for label in series:
@@ -600,7 +671,9 @@ def _build_report(sources: list[Source], out_dir: Path, baseline: str | None) ->
     written += pngs
 
     title = "flexlab benchmark: " + " vs ".join(s.label for s in sources)
-    md = [f"# {title}", "", _cells_note(sources), "", markdown_table(s_header, s_rows), ""]
+    notes = _notes_text(sources)
+    md = [f"# {title}", "", *[line for n in notes for line in (n, "")], _cells_note(sources), "",
+          markdown_table(s_header, s_rows), ""]
     if sp_rows:
         md += ["## Run-to-run spread", "", _spread_note(cells), "", markdown_table(sp_header, sp_rows), ""]
     md += ["## Errors against float64", "", markdown_table(e_header, e_rows), ""]
@@ -630,6 +703,7 @@ def _build_report(sources: list[Source], out_dir: Path, baseline: str | None) ->
         f"{figure_note}</p>",
         "<h2>Figures</h2>", *fragments,
         "<h2>Summary: TFLOP/s (% of peak, median ms)</h2>",
+        *[f"<p class='note'><b>{html.escape(n)}</b></p>" for n in notes],
         f"<p class='note'>{html.escape(_cells_note(sources))}</p>", html_table(s_header, s_rows),
         *([f"<h2>Run-to-run spread</h2><p class='note'>{html.escape(_spread_note(cells))}</p>",
            html_table(sp_header, sp_rows)] if sp_rows else []),
@@ -682,7 +756,8 @@ def summary_markdown(results, labels=None) -> str:
         return "\n\n".join((f"## {s.label}\n\n" if len(sources) > 1 else "") + cp.scaling_markdown(s.rows)
                            for s in sources)
     cells, keys, providers = build_cells(sources)
-    text = markdown_table(*summary_rows(sources, cells, keys, providers))
+    text = "".join(n + "\n\n" for n in _notes_text(sources))
+    text += markdown_table(*summary_rows(sources, cells, keys, providers))
     sp_header, sp_rows = spread_rows(sources, cells, keys, providers)
     if sp_rows:
         text += "\n\n## Run-to-run spread\n\n" + _spread_note(cells) + "\n\n" + markdown_table(sp_header, sp_rows)

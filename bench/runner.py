@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -602,38 +603,61 @@ def _progress(total: int, initial: int, enabled: bool):
     return tqdm(total=total, initial=initial, unit="case", dynamic_ncols=True, file=sys.stderr)
 
 
-def prepare_out_dir(out_dir: Path, resume: bool, force: bool, grid: Grid | None = None) -> list[dict]:
+def prepare_out_dir(out_dir: Path, resume: bool, force: bool, grid: Grid | None = None,
+                    processes: int | None = None) -> list[dict]:
     """Check the output folder (its lock held by the caller); return the finished cases to keep
     (resume), or refuse.
 
+    ``processes`` is the run's process count (``--processes N``, bench.spread); None is a run of
+    one process. A folder holds a run when it has a rows.jsonl or a spread run's process folders.
+
     Raises:
         RunDirError: the folder holds a run and neither ``resume`` nor ``force`` is given, or
-            ``resume`` with a ``grid`` that differs from the stored one (the message names the
-            differing keys).
+            ``resume`` with a ``grid`` or a process count that differs from the stored one (the
+            message names the differing keys, or ``--processes N``).
     """
+    from bench.spread import PROCESSES_DIR
+
     out_dir.mkdir(parents=True, exist_ok=True)
     for leftover in out_dir.glob("*.tmp"):  # an atomic write cut short by a kill
         leftover.unlink(missing_ok=True)
     jsonl = out_dir / "rows.jsonl"
     existing = read_jsonl(jsonl)
-    if jsonl.exists() and not resume:
+    spread_dir = out_dir / PROCESSES_DIR
+    if (jsonl.exists() or spread_dir.is_dir()) and not resume:
         if not force:
-            raise RunDirError(f"{out_dir} holds a previous run ({len(existing)} finished cases); pass "
-                              "--resume to continue it or --force to start over")
+            what = f"{len(existing)} finished cases" if jsonl.exists() else f"its process folders in {spread_dir}"
+            raise RunDirError(f"{out_dir} holds a previous run ({what}); pass --resume to continue it "
+                              "or --force to start over")
         for name in ("rows.jsonl", "results.json", "results.csv", "env.json", "config.json"):
             (out_dir / name).unlink(missing_ok=True)
+        # A spread run's process folders are its rows too: starting over removes them.
+        shutil.rmtree(spread_dir, ignore_errors=True)
         return []
+    if resume and (out_dir / "config.json").exists():
+        # Checked before the grid: resuming with another count would mix a spread run's rows with
+        # a plain run's (or the reverse) in one folder and rewrite its config.json.
+        stored_count = _stored_processes(out_dir, _read_json(out_dir / "config.json"))
+        if stored_count != (processes or 1):
+            asked = f"--resume --processes {processes}" if processes else "--resume"
+            kept = (f"with --processes {stored_count}" if stored_count > 1 else "without --processes")
+            runs = f"{stored_count} processes" if stored_count > 1 else "one process"
+            raise RunDirError(f"{asked}: {out_dir} holds a run of {runs}; resume it {kept}, or pass "
+                              "--force to start over")
     if resume and grid is not None:
         stored = _read_json(out_dir / "config.json") if (out_dir / "config.json").exists() else None
-        if stored is None and existing:
+        if stored is None and (existing or spread_dir.is_dir()):
             raise RunDirError(f"--resume: {out_dir} has finished cases but no config.json to compare "
                               "the config with; pass --force to start over")
         if stored is not None:
             from bench.grid import config_differences
 
+            current = grid.to_dict()
+            if processes:
+                current["processes"] = processes
             try:
-                differences = config_differences(stored, grid.to_dict())
-            except (TypeError, ValueError, KeyError) as exc:
+                differences = config_differences(stored, current)
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
                 raise RunDirError(f"--resume: {out_dir / 'config.json'} is not a bench config "
                                   f"({type(exc).__name__}: {exc}); pass --force to start over") from None
             if differences:
@@ -644,6 +668,21 @@ def prepare_out_dir(out_dir: Path, resume: bool, force: bool, grid: Grid | None 
         # Rewrite without a line cut short by the interruption, so appends start on a clean line.
         _atomic_write(jsonl, "".join(json.dumps(e) + "\n" for e in existing))
     return existing
+
+
+def _stored_processes(out_dir: Path, stored) -> int:
+    """The process count of the run in ``out_dir``: its config.json's ``processes``, else 1 (a
+    plain run). Raises RunDirError for a count that is not an integer >= 2."""
+    if not isinstance(stored, dict):
+        raise RunDirError(f"--resume: {out_dir / 'config.json'} is not a bench config (a "
+                          f"{type(stored).__name__}, expected a mapping); pass --force to start over")
+    count = stored.get("processes")
+    if count is None:
+        return 1
+    if isinstance(count, bool) or not isinstance(count, int) or count < 2:
+        raise RunDirError(f"--resume: {out_dir / 'config.json'} has processes={count!r}, expected an "
+                          "integer >= 2; pass --force to start over")
+    return count
 
 
 def run(grid: Grid, out_dir: str | Path, *, device: torch.device | str | None = None, resume: bool = False,
@@ -802,13 +841,26 @@ def _read_envs(path: Path) -> list:
     data = _read_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("runs", []), list):
         raise ResultsFileError(f"{path}: expected {{\"runs\": [environment, ...]}}")
-    return data.get("runs", [])
+    return _check_envs(path, data.get("runs", []), "runs")
+
+
+def _check_envs(path: Path, envs, key: str) -> list:
+    """``envs`` when it is a list of environment mappings; the reports read keys of each
+    (bench.env.label), so anything else is a ResultsFileError naming ``path`` and ``key``."""
+    if not isinstance(envs, list):
+        raise ResultsFileError(f"{path}: '{key}' is {type(envs).__name__}, expected a list of environments")
+    for i, env in enumerate(envs):
+        if not isinstance(env, dict):
+            raise ResultsFileError(f"{path}: {key}[{i}] is {type(env).__name__} {env!r}, expected an "
+                                   "environment mapping ({\"gpu_name\": ..., ...})")
+    return envs
 
 
 def collect(out_dir: Path, grid: Grid | None = None) -> dict:
     """The results.json payload of a run folder, from rows.jsonl (the record that survives an
     interruption), env.json and config.json. Cases are counted once each, the first record kept;
-    records of cases outside config.json are left out and listed as ``cases_outside_config``."""
+    records of cases outside config.json are left out and listed as ``cases_outside_config`` (their
+    row count as ``rows_outside_config``)."""
     out_dir = Path(out_dir)
     envs = _read_envs(out_dir / "env.json")
     config_path = out_dir / "config.json"
@@ -819,10 +871,11 @@ def collect(out_dir: Path, grid: Grid | None = None) -> dict:
         planned = {case_from_dict(c).case_id for c in config.get("cases") or []}
     except (TypeError, AttributeError) as exc:
         raise ResultsFileError(f"{config_path}: 'cases' is not a list of cases ({exc})") from None
-    cases, seen, outside = [], set(), []
+    cases, seen, outside, outside_rows = [], set(), [], 0
     for entry in read_jsonl(out_dir / "rows.jsonl"):
         if planned and entry["case_id"] not in planned:
             outside.append(entry["case_id"])
+            outside_rows += len(entry["rows"]) if isinstance(entry["rows"], list) else 0
         elif entry["case_id"] not in seen:
             seen.add(entry["case_id"])
             cases.append(entry)
@@ -833,6 +886,7 @@ def collect(out_dir: Path, grid: Grid | None = None) -> dict:
                "envs": envs, "config": config, "rows": rows}
     if outside:  # only a hand-edited rows.jsonl has these: the lock and --resume's check prevent them
         payload["cases_outside_config"] = outside
+        payload["rows_outside_config"] = outside_rows
     return payload
 
 
@@ -901,7 +955,17 @@ def load_results(path: str | Path) -> dict:
                 if missing:
                     raise ResultsFileError(f"{path}: not a bench results CSV (no column(s) {missing})")
                 rows = []
-                for line, r in enumerate(reader, start=2):
+                for r in reader:
+                    line = reader.line_num
+                    # DictReader pads a short row with None and files extra fields under None: a
+                    # file cut short (a full disk, `head -c`) must not read as rows of blanks.
+                    if None in r or any(v is None for v in r.values()):
+                        given = len([v for k, v in r.items() if k is not None and v is not None])
+                        given += len(r.get(None) or [])
+                        raise ResultsFileError(f"{path} line {line}: {given} fields, expected "
+                                               f"{len(reader.fieldnames)} (the file is cut short or "
+                                               "malformed; read its run folder or results.json "
+                                               "instead)")
                     for k in _INT_COLUMNS:
                         try:
                             r[k] = int(r[k]) if r.get(k) not in (None, "") else None
@@ -923,6 +987,7 @@ def load_results(path: str | Path) -> dict:
     if not isinstance(data, dict) or "rows" not in data:
         raise ResultsFileError(f"{path}: not a bench results file (no 'rows')")
     _check_rows(path, data["rows"])
+    _check_envs(path, data.get("envs") or [], "envs")
     return data
 
 

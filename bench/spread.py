@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -138,7 +137,10 @@ def run_processes(grid, out_dir: str | Path, processes: int, *, device=None, res
         raise runner.RunDirBusy(str(exc)) from None
     try:
         _prepare(out_dir, grid, processes, resume, force)
+        from bench.grid import fingerprint
+
         config = {**grid.to_dict(), "processes": processes}
+        config["fingerprint"] = fingerprint(config)  # the process count is part of what is measured
         runner._atomic_write(out_dir / "config.json", json.dumps(config, indent=2))
         total = len(grid.cases)
         for k in range(1, processes + 1):
@@ -173,24 +175,13 @@ def _finished(folder: Path) -> int:
 
 
 def _prepare(out_dir: Path, grid, processes: int, resume: bool, force: bool) -> None:
-    """:func:`bench.runner.prepare_out_dir` for the merged folder, plus what a spread run adds: its
-    process folders (refused or removed as the merged rows are) and its process count (a resume
-    keeps it)."""
-    from bench.runner import RunDirError, _read_json, prepare_out_dir
+    """:func:`bench.runner.prepare_out_dir` for the merged folder with this run's process count:
+    it refuses a folder that holds a run (its process folders included) unless ``resume`` or
+    ``force``, removes the process folders with ``force``, and refuses a resume with another
+    count (in either direction: a plain run's folder too)."""
+    from bench.runner import prepare_out_dir
 
-    if resume and (out_dir / "config.json").exists():
-        stored = _read_json(out_dir / "config.json")
-        if not isinstance(stored, dict) or stored.get("processes") != processes:
-            raise RunDirError(f"--resume: {out_dir} holds a run of "
-                              f"{stored.get('processes', 1) if isinstance(stored, dict) else '?'} "
-                              f"process(es), not {processes}; resume it with the same --processes, or "
-                              "pass --force to start over")
-    if (out_dir / PROCESSES_DIR).exists() and not resume:
-        if not force:
-            raise RunDirError(f"{out_dir} holds a previous run; pass --resume to continue it or --force "
-                              "to start over")
-        shutil.rmtree(out_dir / PROCESSES_DIR, ignore_errors=True)
-    prepare_out_dir(out_dir, resume, force, grid)
+    prepare_out_dir(out_dir, resume, force, grid, processes=processes)
 
 
 def merge(out_dir: str | Path, processes: int) -> Path:
@@ -250,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     except (runner.RunDirError, runner.ResultsFileError, ValueError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C reaches both processes: the parent says what was kept
+        return 130
     print(path)
     return 0
 

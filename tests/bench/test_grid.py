@@ -138,3 +138,54 @@ def test_fingerprint_ignores_order_and_max_minutes_but_not_what_is_measured():
     # A config.json written before settings gained a field compares equal to today's defaults.
     old = {**data, "settings": {k: v for k, v in data["settings"].items() if k != "compile_backend"}}
     assert not config_differences(old, data)
+
+
+def test_fingerprint_and_differences_count_the_processes():
+    from bench.grid import config_differences, fingerprint
+
+    data = build_grid(load_config("tiny"), "tiny").to_dict()
+    spread = {**data, "processes": 2}
+    assert config_differences(spread, data) == ["processes: 2 -> 1 (--processes N)"]
+    assert fingerprint(spread) != data["fingerprint"] == fingerprint({**data, "processes": 1})
+
+
+def _shapes_of(**overrides):
+    """(B, Hq, Hkv, Q, KV) of the tiny preset's float32 forward and decode cases (one variant)."""
+    grid = build_grid(load_config("tiny"), "tiny", variants=["noop"], passes=["fwd", "decode"],
+                      dtypes=["float32"], overrides=overrides)
+    return [(c.batch, c.q_heads, c.kv_heads, c.q_len, c.kv_len) for c in grid.cases]
+
+
+def test_each_shape_flag_changes_only_what_it_names():
+    assert _shapes_of() == [(1, 4, 2, 128, 128), (2, 2, 2, 48, 80), (2, 4, 2, 1, 256)]
+    # --kv-len: the KV lengths, every query length kept (it was ignored).
+    assert _shapes_of(kv_len=[64]) == [(1, 4, 2, 128, 64), (2, 2, 2, 48, 64), (2, 4, 2, 1, 64)]
+    # --q-len: the query lengths, every KV length kept (decode's KV 256 was turned into 16).
+    assert _shapes_of(q_len=[16]) == [(1, 4, 2, 16, 128), (2, 2, 2, 16, 80), (2, 4, 2, 16, 256)]
+    assert _shapes_of(q_len=[16], kv_len=[32, 64]) == [(b, hq, hkv, 16, kv) for b, hq, hkv in
+                                                      ((1, 4, 2), (2, 2, 2), (2, 4, 2)) for kv in (32, 64)]
+    # --batch: the batch alone; no shape pairs another shape's query and KV lengths.
+    assert _shapes_of(batch=[3]) == [(3, 4, 2, 128, 128), (3, 2, 2, 48, 80), (3, 4, 2, 1, 256)]
+    assert _shapes_of(seq=[32]) == [(1, 4, 2, 32, 32), (2, 2, 2, 32, 32), (2, 4, 2, 32, 32)]
+    # --kv-heads: the KV heads, the query heads kept (it was "heads: [4, 2] is not an integer").
+    assert _shapes_of(kv_heads=[1]) == [(1, 4, 1, 128, 128), (2, 2, 1, 48, 80), (2, 4, 1, 1, 256)]
+    # --heads: the query heads; a group without GQA stays without it.
+    assert _shapes_of(heads=[8]) == [(1, 8, 2, 128, 128), (2, 8, 8, 48, 80), (2, 8, 2, 1, 256)]
+    assert _shapes_of(heads=[8], kv_heads=[4]) == [(1, 8, 4, 128, 128), (2, 8, 4, 48, 80), (2, 8, 4, 1, 256)]
+    # The flags also change the keys of a group without shapes (the grid of flags alone).
+    grid = build_grid({"variants": ["noop"], "batch": [1], "seq": [1024], "heads": [8], "head_dim": [64],
+                       "providers": ["sdpa_math"]}, overrides={"q_len": [16], "kv_heads": [2]})
+    assert [(c.q_len, c.kv_len, c.q_heads, c.kv_heads) for c in grid.cases] == [(16, 1024, 8, 2)]
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"kv_heads": [3]}, ["--kv-heads: 4 query heads are not a multiple of 3 KV heads", "groups[0].heads"]),
+    ({"heads": [3]}, ["--heads: 3 query heads are not a multiple of 2 KV heads"]),
+    ({"kv_len": [0]}, ["--kv-len: 0 must be a positive integer"]),
+    ({"seq": [32], "q_len": [16]}, ["--seq sets both lengths", "--q-len"]),
+])
+def test_shape_flag_errors_name_the_flag(overrides, words):
+    with pytest.raises(ConfigError) as err:
+        build_grid(load_config("tiny"), "tiny", overrides=overrides)
+    for word in words:
+        assert word in str(err.value)

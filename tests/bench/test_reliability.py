@@ -246,3 +246,141 @@ def test_exit_code_is_1_on_a_failed_check_unless_keep_going(tmp_path, capsys, mo
     # The same run with correct providers only exits 0.
     good = _config(tmp_path / "h.json", variants=(f"{ALIBI}+{CAUSAL}",), heads=([2, 1],))
     assert main(["run", "--config", str(good), "--out", str(tmp_path / "c"), "--no-progress"]) == 0
+
+
+# ---- a run of several processes and a plain run never share a folder ---------------------------
+
+_FLAGS = ["run", "--variants", CAUSAL, "--batch", "1", "--seq", "16", "--heads", "1", "--head-dim", "8",
+          "--dtype", "fp32", "--passes", "fwd", "--providers", "sdpa_math", "--device", "cpu",
+          "--no-progress"]
+
+
+def test_resume_with_another_process_count_is_refused_both_ways(tmp_path, capsys):
+    # A run of two processes, stopped in its second: resuming it as a plain run is refused
+    # before anything is written (it used to add plain rows and drop `processes` from config.json).
+    spread_dir = tmp_path / "spread"
+    plain = tmp_path / "plain"
+    assert main(_FLAGS + ["--out", str(plain)]) == 0
+    spread_dir.mkdir()
+    config = {**json.loads((plain / "config.json").read_text()), "processes": 2}
+    (spread_dir / "config.json").write_text(json.dumps(config))
+    (spread_dir / "processes" / "1").mkdir(parents=True)
+    shutil.copy(plain / "rows.jsonl", spread_dir / "processes" / "1" / "rows.jsonl")
+    def files():  # the lock file aside: every run, refused or not, takes the lock first
+        return {str(p.relative_to(spread_dir)): p.read_bytes() for p in spread_dir.rglob("*")
+                if p.is_file() and p.name != "run.lock"}
+
+    before = files()
+    capsys.readouterr()
+    assert main(_FLAGS + ["--out", str(spread_dir), "--resume"]) == 2
+    line = _one_line(capsys)
+    assert "holds a run of 2 processes" in line and "resume it with --processes 2" in line
+    assert files() == before
+    # Nor is a plain run's folder (without --resume too) a spread run's, nor one of another count.
+    assert main(_FLAGS + ["--out", str(spread_dir)]) == 2
+    assert "holds a previous run" in _one_line(capsys)
+    assert main(_FLAGS + ["--out", str(plain), "--resume", "--processes", "2"]) == 2
+    line = _one_line(capsys)
+    assert "--resume --processes 2" in line and "resume it without --processes" in line
+    assert main(_FLAGS + ["--out", str(spread_dir), "--resume", "--processes", "3"]) == 2
+    assert "resume it with --processes 2" in _one_line(capsys)
+    # --force starts over: the process folders go with the rest.
+    assert main(_FLAGS + ["--out", str(spread_dir), "--force"]) == 0
+    assert not (spread_dir / "processes").exists()
+    assert "processes" not in json.loads((spread_dir / "config.json").read_text())
+
+
+# ---- result files ------------------------------------------------------------------------------
+
+def test_a_truncated_results_csv_is_an_error_naming_the_line(small_run, tmp_path, capsys):
+    text = (small_run.parent / "results.csv").read_text()
+    cut = tmp_path / "cut" / "results.csv"
+    cut.parent.mkdir()
+    cut.write_text(text[:3000])  # `head -c 3000`: the last row ends mid-way
+    line_no = text[:3000].count("\n") + 1
+    assert main(["summary", str(cut)]) == 2
+    line = _one_line(capsys)
+    assert f"{cut} line {line_no}:" in line and "cut short" in line
+    assert main(["report", str(cut), "--out", str(tmp_path / "rep")]) == 2
+    assert f"line {line_no}" in _one_line(capsys)
+    # A row with a field too many is malformed too.
+    lines = text.splitlines()
+    cut.write_text("\n".join(lines[:3] + [lines[3] + ",extra"] + lines[4:]) + "\n")
+    assert main(["summary", str(cut)]) == 2
+    assert f"{cut} line 4:" in _one_line(capsys)
+    cut.write_text(text)
+    assert main(["summary", str(cut)]) == 0
+
+
+def test_env_json_runs_must_be_environments(small_run, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    shutil.copytree(small_run.parent, run_dir)
+    (run_dir / "env.json").write_text(json.dumps({"runs": [1, 2]}))
+    assert main(["summary", str(run_dir)]) == 2
+    line = _one_line(capsys)
+    assert str(run_dir / "env.json") in line and "runs[0] is int" in line
+    data = json.loads(small_run.read_text())
+    data["envs"] = ["h100"]
+    (tmp_path / "results.json").write_text(json.dumps(data))
+    assert main(["summary", str(tmp_path / "results.json")]) == 2
+    assert "envs[0] is str" in _one_line(capsys)
+
+
+# ---- flags -------------------------------------------------------------------------------------
+
+def _never(*args, **kwargs):
+    raise AssertionError("an empty flag must be refused before anything runs")
+
+
+@pytest.mark.parametrize("flag", ["--variants", "--providers", "--passes", "--dtype"])
+def test_an_empty_list_flag_is_an_error_not_the_whole_grid(flag, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(runner, "run", _never)  # it used to run the whole preset
+    out = tmp_path / "out"
+    assert main(["run", "--config", "tiny", flag, "", "--out", str(out), "--no-progress"]) == 2
+    assert f"{flag} is empty" in _one_line(capsys)
+    assert not out.exists()
+    if flag != "--variants":  # " , " as variants is two empty specs, refused as such
+        assert main(["run", "--config", "tiny", flag, " , ", "--out", str(out), "--no-progress"]) == 2
+        assert f"{flag} is empty" in _one_line(capsys)
+    with pytest.raises(Exception, match=f"{flag} is empty"):
+        build_grid(load_config("tiny"), **{{"--dtype": "dtypes"}.get(flag, flag[2:]): []})
+
+
+def test_empty_first_call_flags_are_errors(capsys, monkeypatch):
+    from bench import first_call
+
+    monkeypatch.setattr(first_call, "measure", _never)  # it used to time the anchors variants
+    for flag in ("--variants", "--providers"):
+        assert main(["first-call", flag, "", "--device", "cpu"]) == 2
+        assert f"{flag} is empty" in _one_line(capsys)
+
+
+# ---- Ctrl-C ------------------------------------------------------------------------------------
+
+def test_ctrl_c_exits_130_saying_where_the_finished_cases_are(tmp_path, capsys, monkeypatch):
+    config = _config(tmp_path / "g.json", shapes=([1, 16], [1, 24], [1, 32]))
+    out = tmp_path / "out"
+    calls = []
+    real = runner.CaseRunner.run
+
+    def interrupted_second(self):
+        calls.append(self.case.case_id)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self)
+
+    monkeypatch.setattr(runner.CaseRunner, "run", interrupted_second)
+    try:
+        code = main(["run", "--config", str(config), "--out", str(out), "--no-progress"])
+    except KeyboardInterrupt:  # raised on, it would stop the test session
+        pytest.fail("Ctrl-C escaped main() as a KeyboardInterrupt (a traceback on the command line)")
+    assert code == 130
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("interrupted: ") and str(out / "rows.jsonl") in last and "--resume" in last
+    assert len(runner.read_jsonl(out / "rows.jsonl")) == 1
+    assert json.loads((out / "results.json").read_text())["cases_done"] == 1
+    monkeypatch.setattr(runner.CaseRunner, "run", real)
+    assert main(["run", "--config", str(config), "--out", str(out), "--no-progress", "--resume"]) == 0
+    assert json.loads((out / "results.json").read_text())["complete"]

@@ -199,3 +199,129 @@ def test_roofline_fraction_of_the_measured_peak(tmp_path):
     assert f"gpu: {peak:.0f} TFLOP/s" in md and "No % of peak for cpu" in md
     assert "52%" in md  # 412 of 800, written by hand once: the cell reads as a person expects
     assert "% of peak" in (out / "report.html").read_text()
+
+
+# ---- synthetic results: each rule of the tables on rows built by hand ---------------------------
+
+def _case_rows(case, provider, time_ms=1.0, *, status="ok", process=None, errors=None, head_dim=16,
+               v_head_dim=16):
+    """A (case, provider)'s rows as a run writes them: status, time_ms, and ``errors``
+    {prefix: (max_abs, tolerance)} with their *_correct (status fail over tolerance)."""
+    from bench.runner import Row
+
+    variant, batch, q_len, kv_len = case
+    base = dict(run_id="r", case_id=f"{variant}|B{batch}|H2/2|Q{q_len}|KV{kv_len}|D{head_dim}/{v_head_dim}"
+                "|float32|fwd", variant=variant, batch=batch, q_heads=2, kv_heads=2, q_len=q_len,
+                kv_len=kv_len, head_dim=head_dim, v_head_dim=v_head_dim, dtype="float32", pass_="fwd",
+                density=1.0, provider=provider, process=process)
+    rows = [Row(**base, metric="status", value=None, unit="", status=status)]
+    if status == "ok":
+        rows.append(Row(**base, metric="time_ms", value=time_ms, unit="ms", status="ok"))
+    for prefix, (max_abs, tol) in (errors or {}).items():
+        ok = max_abs <= tol
+        rows += [Row(**base, metric=f"{prefix}_max_abs", value=max_abs, unit="abs", status="ok"),
+                 Row(**base, metric=f"{prefix}_tolerance", value=tol, unit="abs", status="ok"),
+                 Row(**base, metric=f"{prefix}_correct", value=float(ok), unit="bool",
+                     status="ok" if ok else "fail")]
+    return [r.to_dict() for r in rows]
+
+
+def _synthetic(tmp_path, rows, name="results.json", **payload):
+    path = tmp_path / name
+    path.write_text(json.dumps({"schema": "flexlab-bench/1", "name": "synthetic", "envs": [],
+                                "rows": rows, **payload}))
+    return path
+
+
+def test_cases_that_differ_in_the_value_head_dim_keep_their_own_rows(tmp_path):
+    rows = (_case_rows(("causal", 1, 64, 64), "flexlab", 1.0, v_head_dim=16)
+            + _case_rows(("causal", 1, 64, 64), "sdpa_math", 2.0, v_head_dim=16)
+            + _case_rows(("causal", 1, 64, 64), "flexlab", 3.0, v_head_dim=64)
+            + _case_rows(("causal", 1, 64, 64), "sdpa_math", 9.0, v_head_dim=64))
+    sources = report.load_sources([_synthetic(tmp_path, rows)])
+    cells, keys, providers = report.build_cells(sources)
+    header, table = report.summary_rows(sources, cells, keys, providers)
+    shapes = [row[1] for row in table]
+    assert shapes == ["B=1 H=2 S=64 D=16", "B=1 H=2 S=64 D=16/64"]
+    ratio = header.index("flexlab ÷ sdpa_math")
+    assert [row[ratio] for row in table] == ["2.00×", "3.00×"]
+    speed = report.speedups(sources, cells, keys, providers, "sdpa_math")
+    # The geometric mean of both cases' speed-ups (2 and 3), not of one of them.
+    assert speed["fwd"]["causal"][(sources[0].label, "flexlab")] == pytest.approx(6 ** 0.5)
+
+
+def test_error_table_judges_a_cell_by_its_worst_process(tmp_path):
+    """One process failing its check fails the cell (the summary's ✗ says so too), and the cell's
+    errors are that process's; the times stay the median over the processes."""
+    case = ("causal", 1, 64, 64)
+    rows = []
+    for process, max_abs in ((1, 1e-7), (2, 5e-5), (3, 2e-7)):  # tolerance 1e-5: process 2 fails
+        rows += _case_rows(case, "flexlab", 1.0 + process, process=process, errors={"out": (max_abs, 1e-5)})
+    sources = report.load_sources([_synthetic(tmp_path, rows)])
+    cells, keys, providers = report.build_cells(sources)
+    cell = cells[(sources[0].label, keys[0], "flexlab")]
+    assert cell.metrics["time_ms"] == 3.0 and cell.metrics["out_max_abs"] == 5e-5
+    header, table = report.error_rows(sources, cells, keys, providers)
+    assert table[0][header.index("pass/fail")] == "FAIL: out"
+    assert table[0][header.index("out max abs")] == "5e-05"
+    summary_header, summary = report.summary_rows(sources, cells, keys, providers)
+    assert summary[0][summary_header.index("flexlab")].endswith("✗")
+    # All passing: the largest error is shown, with its own process's tolerance.
+    rows = []
+    for process, (max_abs, tol) in ((1, (1e-7, 1e-5)), (2, (3e-6, 4e-6)), (3, (2e-7, 1e-5))):
+        rows += _case_rows(case, "flexlab", 1.0, process=process, errors={"out": (max_abs, tol)})
+    sources = report.load_sources([_synthetic(tmp_path, rows, "passing.json")])
+    cells, keys, providers = report.build_cells(sources)
+    header, table = report.error_rows(sources, cells, keys, providers)
+    assert table[0][header.index("pass/fail")] == "pass"
+    assert (table[0][header.index("out max abs")], table[0][header.index("out tolerance")]) == ("3e-06", "4e-06")
+
+
+def test_speedups_skip_cells_that_did_not_run_or_have_no_time(tmp_path):
+    """The geometric-mean bars use the summary table's cells: a provider whose status is an error
+    (even with a time row) or whose time is NaN gives no bar, and never a NaN one."""
+    rows = (_case_rows(("causal", 1, 64, 64), "flexlab", 1.0) + _case_rows(("causal", 1, 64, 64), "sdpa_math", 4.0)
+            + _case_rows(("causal", 1, 128, 128), "flexlab", float("nan"))
+            + _case_rows(("causal", 1, 128, 128), "sdpa_math", 4.0)
+            + _case_rows(("causal", 1, 256, 256), "flexlab", 1.0)
+            + _case_rows(("causal", 1, 256, 256), "sdpa_math", 4.0))
+    for r in rows:  # sdpa_math errored at S=256 after its time was written
+        if r["q_len"] == 256 and r["provider"] == "sdpa_math" and r["metric"] == "status":
+            r["status"], r["note"] = "error", "RuntimeError: boom"
+    sources = report.load_sources([_synthetic(tmp_path, rows)])
+    cells, keys, providers = report.build_cells(sources)
+    speed = report.speedups(sources, cells, keys, providers, "sdpa_math")
+    assert speed["fwd"]["causal"][(sources[0].label, "flexlab")] == pytest.approx(4.0)
+    header, table = report.summary_rows(sources, cells, keys, providers)
+    assert [row[header.index("flexlab ÷ sdpa_math")] for row in table] == ["4.00×", "", ""]
+
+
+def test_summary_notes_an_unfinished_run_and_rows_outside_its_config(tmp_path):
+    from bench import runner
+    from tests.bench.helpers import small_grid
+
+    out = tmp_path / "r"
+    grid = small_grid(passes=("fwd",))
+    runner.run(grid, out, progress=False, log=lambda m: None)
+    lines = (out / "rows.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    (out / "rows.jsonl").write_text(lines[0] + "\n")  # as if stopped after its first case
+    md = report.summary_markdown([out])
+    assert md.startswith("note: incomplete: 1 of 2 cases") and "--resume" in md
+    # A config.json of other cases: every record lies outside it, and the note says how many rows.
+    config = json.loads((out / "config.json").read_text())
+    for case in config["cases"]:
+        case["q_len"] += 1
+    (out / "config.json").write_text(json.dumps(config))
+    md = report.summary_markdown([out])
+    n_rows = len(json.loads(lines[0])["rows"])
+    assert f"note: {n_rows} rows of 1 case(s) in rows.jsonl lie outside config.json" in md
+    assert "incomplete: 0 of 2 cases" in md
+    rep = tmp_path / "rep"
+    report.write_report([out], rep)
+    assert "lie outside config.json" in (rep / "summary.md").read_text()
+    assert "incomplete: 0 of 2 cases" in (rep / "report.html").read_text()
+    # A finished run has no note.
+    (out / "rows.jsonl").write_text("\n".join(lines) + "\n")
+    (out / "config.json").write_text(json.dumps(grid.to_dict()))
+    assert report.summary_markdown([out]).startswith("| variant")

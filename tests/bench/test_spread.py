@@ -87,7 +87,7 @@ def test_resume_keeps_finished_processes_and_checks_the_count(spread_run, capsys
     assert main(_ARGS + ["--processes", "2", "--out", str(spread_run)]) == 2
     assert "holds a previous run" in capsys.readouterr().err
     assert main(_ARGS + ["--processes", "3", "--out", str(spread_run), "--resume"]) == 2
-    assert "2 process(es), not 3" in capsys.readouterr().err
+    assert "holds a run of 2 processes; resume it with --processes 2" in capsys.readouterr().err
     assert main(_ARGS + ["--processes", "2", "--out", str(spread_run), "--resume"]) == 0
     err = capsys.readouterr().err
     assert "process 1 of 2" not in err and "spread over 2 processes" in err  # nothing ran again
