@@ -29,6 +29,8 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from flexcore.lowering.cache import global_names
+
 __all__ = ["flex_attention", "create_block_mask_for_rank", "ContextParallelMask", "shard_sequence",
            "unshard_sequence", "shard_positions", "merge_by_lse", "ContextParallelError", "SHARDINGS",
            "STRATEGIES"]
@@ -454,7 +456,7 @@ def _walk_captures(obj, name: str = "", seen=None, depth: int = 0) -> list:
         for cell_name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
             if _cell_ok(cell):
                 walk(cell.cell_contents, cell_name)
-        for glob in _global_names(obj.__code__):
+        for glob in global_names(obj.__code__):
             if glob in obj.__globals__:
                 walk(obj.__globals__[glob], glob)
         for value in obj.__defaults__ or ():
@@ -498,14 +500,6 @@ def _cell_ok(cell) -> bool:
     except ValueError:  # an empty cell (a name assigned later)
         return False
     return True
-
-
-def _global_names(code) -> set:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _global_names(const)
-    return names
 
 
 def _captured_signature(*mods) -> list:
@@ -984,8 +978,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod=None, bl
 
 def _check_inputs(query, key, value, block_mask, mask_mod, world, rank, sharding, strategy,
                   enable_gqa, scale, what):
-    from flexcore._validate import check_qkv
-    from flexcore.attention import check_scale
+    from flexcore.attention import check_call
     from flexcore.errors import InputError
 
     _check_sharding(sharding, what)
@@ -998,11 +991,7 @@ def _check_inputs(query, key, value, block_mask, mask_mod, world, rank, sharding
                                        "shard (B, H, S_local, D)")
     # The local call's own checks, here, so that a rank's error reaches every rank.
     try:
-        if not isinstance(enable_gqa, bool):
-            raise InputError(f"enable_gqa must be True or False, got {enable_gqa!r}")
-        check_qkv(query, key, value, enable_gqa)
-        if scale is not None:
-            check_scale(scale)
+        check_call(query, key, value, None, None, scale, enable_gqa)
     except InputError as exc:
         raise ContextParallelError(f"{what}: {exc}") from None
     if key.shape[2] != query.shape[2] or value.shape[2] != query.shape[2]:
