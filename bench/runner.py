@@ -634,10 +634,12 @@ def prepare_out_dir(out_dir: Path, resume: bool, force: bool, grid: Grid | None 
         # A spread run's process folders are its rows too: starting over removes them.
         shutil.rmtree(spread_dir, ignore_errors=True)
         return []
-    if resume and (out_dir / "config.json").exists():
+    config_path = out_dir / "config.json"
+    stored = _read_json(config_path) if resume and config_path.exists() else None
+    if stored is not None:
         # Checked before the grid: resuming with another count would mix a spread run's rows with
         # a plain run's (or the reverse) in one folder and rewrite its config.json.
-        stored_count = _stored_processes(out_dir, _read_json(out_dir / "config.json"))
+        stored_count = _stored_processes(out_dir, stored)
         if stored_count != (processes or 1):
             asked = f"--resume --processes {processes}" if processes else "--resume"
             kept = (f"with --processes {stored_count}" if stored_count > 1 else "without --processes")
@@ -645,7 +647,6 @@ def prepare_out_dir(out_dir: Path, resume: bool, force: bool, grid: Grid | None 
             raise RunDirError(f"{asked}: {out_dir} holds a run of {runs}; resume it {kept}, or pass "
                               "--force to start over")
     if resume and grid is not None:
-        stored = _read_json(out_dir / "config.json") if (out_dir / "config.json").exists() else None
         if stored is None and (existing or spread_dir.is_dir()):
             raise RunDirError(f"--resume: {out_dir} has finished cases but no config.json to compare "
                               "the config with; pass --force to start over")

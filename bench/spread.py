@@ -136,7 +136,9 @@ def run_processes(grid, out_dir: str | Path, processes: int, *, device=None, res
     except FolderBusyError as exc:
         raise runner.RunDirBusy(str(exc)) from None
     try:
-        _prepare(out_dir, grid, processes, resume, force)
+        # Refuses a folder holding a run (process folders included) unless resume or force, and a
+        # resume with another process count, in either direction.
+        runner.prepare_out_dir(out_dir, resume, force, grid, processes=processes)
         from bench.grid import fingerprint
 
         config = {**grid.to_dict(), "processes": processes}
@@ -172,16 +174,6 @@ def _finished(folder: Path) -> int:
     from bench.runner import read_jsonl
 
     return len({e["case_id"] for e in read_jsonl(folder / "rows.jsonl")})
-
-
-def _prepare(out_dir: Path, grid, processes: int, resume: bool, force: bool) -> None:
-    """:func:`bench.runner.prepare_out_dir` for the merged folder with this run's process count:
-    it refuses a folder that holds a run (its process folders included) unless ``resume`` or
-    ``force``, removes the process folders with ``force``, and refuses a resume with another
-    count (in either direction: a plain run's folder too)."""
-    from bench.runner import prepare_out_dir
-
-    prepare_out_dir(out_dir, resume, force, grid, processes=processes)
 
 
 def merge(out_dir: str | Path, processes: int) -> Path:
