@@ -9,12 +9,21 @@
 #   bash bench/experiments/fa4_setup.sh      # prints the export line instead
 #
 # Exit status 0 when flash_attn.cute imports. FA4_WHEELS and FA4_SITE override the two folders.
+#
+# A set that imports and runs with torch 2.11 on an H200 (2026-11-28): flash-attn-4 4.0.0b16,
+# nvidia-cutlass-dsl 4.5.2 with nvidia-cutlass-dsl-libs-base 4.5.2 (the CuTe DSL's Python sources;
+# 74 MB as a wheel, 53 MB repacked as .tar.xz), quack-kernels 0.5.0, apache-tvm-ffi 0.1.15,
+# torch-c-dlpack-ext 0.1.5, einops; the machine's own cuda-bindings. Later nvidia-cutlass-dsl
+# releases (4.8.1) ship no `cutlass/cute` sources in any of their wheels. Over 64 MiB with the
+# tree, the set travels in two calls: the .tar.xz in .whl first, then the rest in an ignored
+# folder copied into .whl on the machine (ignored paths stay there between calls).
 
 FA4_WHEELS="${FA4_WHEELS:-.whl}"
 FA4_SITE="${FA4_SITE:-/tmp/fa4site}"
-# The CuTe DSL keeps its `cutlass` package under nvidia_cutlass_dsl/dsl_packages (a .pth file
-# adds it in a site-packages folder; a PYTHONPATH entry reads no .pth, so it is named here).
-FA4_PYTHONPATH="$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages"
+# The CuTe DSL keeps its `cutlass` package under nvidia_cutlass_dsl/python_packages (4.5.x) or
+# dsl_packages (later) (a .pth file adds it in a site-packages folder; a PYTHONPATH entry reads no
+# .pth, so both are named here).
+FA4_PYTHONPATH="$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/python_packages:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages"
 
 fa4_setup() {
     python3 - "$FA4_WHEELS" "$FA4_SITE" <<'PY' || return 1
