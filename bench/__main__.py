@@ -298,8 +298,10 @@ def _first_call(args, argv: list[str]) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def guarded(command) -> int:
+    """``command()``'s exit status, with the bench's own errors as one line on stderr instead of a
+    traceback: 2 for bad input (config, variant, run folder, results file), 1 for a failed
+    first-call or spread run, 130 for Ctrl-C."""
     from bench.first_call import FirstCallError
     from bench.grid import ConfigError
     from bench.mods import VariantError
@@ -308,32 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.spread import SpreadError
 
     try:
-        if args.command == "run":
-            return _run(args)
-        if args.command == "report":
-            return _report(args)
-        if args.command == "first-call":
-            return _first_call(args, sys.argv[1:] if argv is None else argv)
-        if args.command == "summary":
-            from bench.report import print_summary
-
-            print_summary(args.results, _csv(args.labels))
-            return 0
-        if args.command == "list-presets":
-            from bench.grid import PRESET_HELP, build_grid, load_config
-
-            for name in sorted(PRESET_HELP):
-                grid = build_grid(load_config(name), name)
-                print(f"{name:12s} {len(grid.cases):4d} cases  {PRESET_HELP[name]}")
-            return 0
-        if args.command == "list-providers":
-            from bench.grid import check_device
-            from bench.providers import PROVIDERS, availability
-
-            device = check_device(args.device)
-            for name, (ok, why) in availability(device).items():
-                print(f"{name:18s} {'yes' if ok else 'no ':3s} {why}  [{PROVIDERS[name].description}]")
-            return 0
+        return command()
     except (ConfigError, VariantError, RunDirError, ReportError, ResultsFileError, FileNotFoundError,
             FileExistsError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
@@ -347,6 +324,41 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return guarded(lambda: _command(args, argv))
+
+
+def _command(args, argv) -> int:
+    """Run the parsed subcommand."""
+    if args.command == "run":
+        return _run(args)
+    if args.command == "report":
+        return _report(args)
+    if args.command == "first-call":
+        return _first_call(args, sys.argv[1:] if argv is None else argv)
+    if args.command == "summary":
+        from bench.report import print_summary
+
+        print_summary(args.results, _csv(args.labels))
+        return 0
+    if args.command == "list-presets":
+        from bench.grid import PRESET_HELP, build_grid, load_config
+
+        for name in sorted(PRESET_HELP):
+            grid = build_grid(load_config(name), name)
+            print(f"{name:12s} {len(grid.cases):4d} cases  {PRESET_HELP[name]}")
+        return 0
+    if args.command == "list-providers":
+        from bench.grid import check_device
+        from bench.providers import PROVIDERS, availability
+
+        device = check_device(args.device)
+        for name, (ok, why) in availability(device).items():
+            print(f"{name:18s} {'yes' if ok else 'no ':3s} {why}  [{PROVIDERS[name].description}]")
+        return 0
     return 1
 
 

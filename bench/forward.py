@@ -42,6 +42,12 @@ def build(args):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from bench.__main__ import guarded
+
+    return guarded(lambda: _run(args))
+
+
+def _run(args) -> int:
     from bench import runner
     from bench.report import print_summary
 

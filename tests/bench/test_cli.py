@@ -91,6 +91,16 @@ def test_forward_entry_is_the_anchors_forward_grid():
     assert {(c.variant, c.pass_) for c in grid.cases} == {(v, p) for v in ("causal", "noop") for p in ("fwd", "decode")}
 
 
+def test_forward_entry_reports_bad_input_in_one_line(tmp_path, capsys):
+    from bench import forward
+
+    for flag, named in (("--variants", "unknown variant 'nosuch'"), ("--providers", "unknown provider(s) ['nosuch']")):
+        assert forward.main([flag, "nosuch", "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and named in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_processes_flag_runs_the_grid_in_several_processes(monkeypatch, tmp_path, capsys):
     import pytest
 
