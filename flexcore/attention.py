@@ -8,6 +8,7 @@ custom ops of :mod:`flexcore.ops`.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 import numbers
@@ -366,12 +367,18 @@ class _FlexAttention(torch.autograd.Function):
         out, lse, row_stats, max_scores = forward_kernels(query, key, value, score_lowered,
                                                           mask_lowered, blocks, call.scale,
                                                           call.opts, call.want_max, sinks=sinks)
+        # The mods' captured tensors are saved too (as torch's flex_attention saves its
+        # score_mod/mask_mod buffers): the backward re-reads them, so an in-place edit between
+        # forward and backward must raise autograd's version-counter error, not give gradients
+        # of a different function. (Inference tensors cannot be saved; they are left out.)
+        watched = tuple(t for t in (*score_lowered.captured, *mask_lowered.captured)
+                        if not t.is_inference())
         if row_stats is None:  # the decode kernel keeps lse (and the row max): derived later
-            ctx.save_for_backward(query, key, value, out, None, lse, max_scores, None)
+            ctx.save_for_backward(query, key, value, out, None, lse, max_scores, None, *watched)
         elif sinks is not None:  # the sinks' gradient reads lse (p_sink = exp(sink - lse))
-            ctx.save_for_backward(query, key, value, out, row_stats, lse, None, sinks)
+            ctx.save_for_backward(query, key, value, out, row_stats, lse, None, sinks, *watched)
         else:
-            ctx.save_for_backward(query, key, value, out, row_stats, None, None, None)
+            ctx.save_for_backward(query, key, value, out, row_stats, None, None, None, *watched)
         ctx.call, ctx.block_mask, ctx.blocks, ctx.score_bwd = call, block_mask, blocks, score_bwd
         ctx.score_lowered, ctx.mask_lowered = score_lowered, mask_lowered
         if max_scores is not None:
@@ -387,7 +394,10 @@ class _FlexAttention(torch.autograd.Function):
         n_captured = len(ctx.score_lowered.captured)
         if grad_out is None and grad_lse is None:
             return (None,) * (_FlexAttention.N_INPUTS + n_captured)
-        query, key, value, out, row_stats, lse, max_scores, sinks = ctx.saved_tensors
+        # Unpacking checks every saved tensor's version (q, k, v and the mods' captured tensors);
+        # the mask's tables, which the backward reads too, are checked as every eager call does.
+        query, key, value, out, row_stats, lse, max_scores, sinks = ctx.saved_tensors[:8]
+        ctx.block_mask.check_unmodified()
         if row_stats is None:
             row_stats = decode_row_stats(lse, max_scores)
         if grad_out is None:
@@ -641,11 +651,22 @@ def _without_rows(query, key, value, score_mod, block_mask, scale, enable_gqa, k
     out = query.new_zeros((B, Hq, L, value.shape[-1]), dtype=torch.bfloat16 if fp8 else query.dtype)
     lse = query.new_full((B, Hq, L), float("-inf"), dtype=acc)
     max_scores = lse.clone()
-    if not fp8:  # FP8 inputs are forward-only
-        tie = sum((t.sum() * 0 for t in (query, key, value, sinks)
-                   if t is not None and t.requires_grad), query.new_zeros(()))
+    # FP8 inputs are forward-only, but their sinks learn (as at L > 0: flexcore.sinks.apply_sinks).
+    tied = (sinks,) if fp8 else (query, key, value, sinks)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tied):
+        tie = sum((t.sum() * 0 for t in tied if t is not None and t.requires_grad),
+                  torch.zeros((), dtype=acc, device=query.device))
         out, lse = out + tie.to(out.dtype), lse + tie.to(acc)
     return out, lse, max_scores
+
+
+def _without_decode(kernel_options):
+    """``kernel_options`` with the decode kernel off where the query length would choose it (an
+    explicit decode=True / BACKEND='TRITON_DECODE' is kept)."""
+    opts = KernelOptions.from_any(kernel_options)
+    if opts.decode is not None:
+        return kernel_options
+    return dataclasses.replace(opts, decode=False)
 
 
 def _requested(return_lse, return_aux) -> tuple[bool, bool]:
@@ -750,8 +771,13 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
                                              enable_gqa, kernel_options, sinks)
         sinks = None
     elif descales is not None and torch.compiler.is_compiling():
-        raise InputError("the FP8 (float8_e4m3fn) path of flex_attention runs eagerly, not under "
-                         "torch.compile: call it outside the compiled region (torch.compiler.disable)")
+        # The FP8 path runs eagerly. A raise here does not reach the user without fullgraph=True:
+        # dynamo turns it into a graph break and re-runs this frame with its callback still set on
+        # the frames below (flexcore's and Triton's), which it cannot trace. Run it as a graph
+        # break instead, with dynamo off below it (fullgraph=True reports the break).
+        return _eager_flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                     return_lse, kernel_options, return_aux=return_aux, sinks=sinks,
+                                     descale_q=descale_q, descale_k=descale_k, descale_v=descale_v)
     elif torch.compiler.is_compiling():
         block_mask = coerce_block_mask(block_mask)  # a torch BlockMask, as in an eager call
         # flexcore's forward op takes the sinks in, as an eager call's kernels do.
@@ -761,6 +787,12 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
         sinks = None
     else:
         block_mask = coerce_block_mask(block_mask)  # a torch BlockMask, converted once
+        if (sinks is not None and descales is None and sinks.requires_grad
+                and torch.is_grad_enabled()):
+            # Learning sinks take the forward kernel at every length: the decode kernel's sinks
+            # are applied after it (flexcore.sinks.apply_sinks), whose gradient sums the rounded
+            # 16-bit output over every row (docs/decisions.md#sinks-post-pass, known limit).
+            kernel_options = _without_decode(kernel_options)
         out, lse, max_scores, applied = _eager(query, key, value, score_mod, block_mask, scale,
                                                enable_gqa, kernel_options, want_max, descales, sinks)
         if applied:  # the forward kernel's epilogue took the sinks in (sinks_in_kernel)
@@ -773,3 +805,11 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: ScoreMo
         return out, AuxOutput(lse=lse if want_lse else None,
                               max_scores=max_scores if want_max else None)
     return (out, lse) if return_lse else out
+
+
+@functools.partial(torch.compiler.disable,
+                   reason="the FP8 (float8_e4m3fn) path of flex_attention runs eagerly, not under "
+                          "torch.compile")
+def _eager_flex_attention(*args, **kwargs):
+    """flex_attention run eagerly from a compiled region (the FP8 path): a graph break."""
+    return flex_attention(*args, **kwargs)

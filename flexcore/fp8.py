@@ -198,9 +198,11 @@ def quantize(x: Tensor, *, heads: int | None = None, per_tensor: bool = False,
         raise InputError(f"quantize: heads={heads} must divide the tensor's {H} heads")
     xf = x.detach().float()
     if per_tensor:
-        amax = xf.abs().amax()
+        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
     else:
-        amax = xf.reshape(B, heads, -1).abs().amax(dim=-1)
+        # An explicit group size: a batch of 0 cannot infer -1; an empty group's amax is 0 (descale 1).
+        groups = xf.reshape(B, heads, (H // heads) * x.shape[2] * x.shape[3]).abs()
+        amax = groups.amax(dim=-1) if groups.shape[-1] else groups.new_zeros(B, heads)
     descale = torch.where(amax > 0, amax / _FP8_MAX, torch.ones_like(amax))
     if power_of_two:
         descale = torch.exp2(torch.ceil(torch.log2(descale)))

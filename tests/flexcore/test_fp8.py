@@ -322,6 +322,48 @@ def test_fp8_is_forward_only(fp8_call):
         flex_attention(q8.clone().requires_grad_(), k8, v8, score_mod=alibi_factory(slopes), **d)
 
 
+def test_fp8_under_torch_compile_runs_eagerly_as_a_graph_break(fp8_call):
+    """FP8 calls run eagerly: inside a compiled function they are a graph break with the eager
+    result (sinks learning through it too); fullgraph=True names the reason."""
+    (q8, k8, v8), d = fp8_call
+    sinks = torch.tensor([0.5, 1.5], requires_grad=True)
+
+    def fn(q, k, v):
+        return flex_attention(q, k, v, sinks=sinks, **d) * 2
+
+    eager = fn(q8, k8, v8)
+    (grad,) = torch.autograd.grad(eager.float().sum(), sinks)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager")(q8, k8, v8)
+    assert torch.equal(compiled, eager)
+    (compiled_grad,) = torch.autograd.grad(compiled.float().sum(), sinks)
+    assert torch.equal(compiled_grad, grad)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="FP8 .* runs eagerly, not under torch.compile"):
+        torch.compile(fn, backend="eager", fullgraph=True)(q8, k8, v8)
+    torch._dynamo.reset()
+
+
+def test_fp8_without_query_rows_still_trains_its_sinks(fp8_call):
+    """No query rows: an empty output, and the sinks get a zero gradient (as at L > 0, and as
+    16-bit calls without rows do)."""
+    (q8, k8, v8), d = fp8_call
+    sinks = torch.tensor([0.5, 1.5], requires_grad=True)
+    out = flex_attention(q8[:, :, :0], k8, v8, sinks=sinks, **d)
+    assert out.shape == (*q8.shape[:2], 0, v8.shape[-1]) and out.dtype == torch.bfloat16
+    (grad,) = torch.autograd.grad(out.float().sum(), sinks)
+    assert torch.equal(grad, torch.zeros(2))
+
+
+def test_quantize_empty_tensors():
+    """An empty tensor (no rows, or no batch) quantizes with descale 1."""
+    for shape, heads in (((2, 4, 0, 16), None), ((0, 4, 32, 16), None), ((2, 4, 0, 16), 2)):
+        x8, d = quantize(torch.randn(shape), heads=heads)
+        assert x8.shape == shape and d.shape == (shape[0], heads or shape[1]) and (d == 1).all()
+    x8, d = quantize(torch.randn(2, 4, 0, 16), per_tensor=True)
+    assert d.shape == () and float(d) == 1.0
+
+
 def test_fp8_refuses_kernels_without_an_fp8_path(fp8_call):
     inputs, d = fp8_call
     with pytest.raises(InputError, match="decoding kernel, which has no FP8 path"):
