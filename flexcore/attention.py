@@ -73,6 +73,13 @@ def check_call(query, key, value, score_mod, block_mask, scale, enable_gqa,
     if not isinstance(enable_gqa, bool):  # "no" would read as True
         raise InputError(f"enable_gqa must be True or False, got {enable_gqa!r}")
     check_qkv(query, key, value, enable_gqa, rows_may_be_empty=rows_may_be_empty)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        # torch.func's wrappers hide the storage the kernels read (vmap) or the gradient they
+        # track (grad, jacrev): refused by name rather than failing deep inside the lowering.
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            raise InputError(f"{name} is a tensor of a torch.func transform (grad, vmap, jacrev, ...): "
+                             f"flexcore's kernels run outside torch.func; differentiate with "
+                             f"torch.autograd (loss.backward(), torch.autograd.grad) and batch along B")
     D, Dv = query.shape[-1], value.shape[-1]
     if max(D, Dv) > 256:
         raise InputError(f"head dims up to 256 are supported; got D={D}, Dv={Dv}")

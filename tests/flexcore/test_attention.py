@@ -729,3 +729,18 @@ def test_calls_without_keys_heads_or_head_dims_are_refused():
         flex_attention(q, kv, kv, kernel_options={"bogus": 1})
     with pytest.raises(InputError, match="share a dtype"):
         flex_attention(q, kv.double(), kv)
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_are_refused_by_name(transform):
+    """torch.func's wrapped tensors (grad, vmap) get an error naming the argument and the way out,
+    not a failure inside the lowering (a captured tensor's index check)."""
+    q, k, v = (torch.randn(1, 2, 32, 16) for _ in range(3))
+    bias = torch.randn(2, 32)
+
+    def loss(q):
+        return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h, ki]).sum()
+
+    call = torch.func.grad(loss) if transform == "grad" else torch.func.vmap(loss)
+    with pytest.raises(InputError, match="query is a tensor of a torch.func transform"):
+        call(q if transform == "grad" else q.unsqueeze(0))
