@@ -6,6 +6,7 @@
 # wheels and under it as xz). The python3 that holds torch runs it: no pip, no unzip needed.
 #
 #   source bench/experiments/fa4_setup.sh    # exports PYTHONPATH for the rest of the command
+#                                            # (not through a pipe: that sources it in a subshell)
 #   bash bench/experiments/fa4_setup.sh      # prints the export line instead
 #
 # Exit status 0 when flash_attn.cute imports. FA4_WHEELS and FA4_SITE override the two folders.
