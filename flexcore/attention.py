@@ -73,13 +73,7 @@ def check_call(query, key, value, score_mod, block_mask, scale, enable_gqa,
     if not isinstance(enable_gqa, bool):  # "no" would read as True
         raise InputError(f"enable_gqa must be True or False, got {enable_gqa!r}")
     check_qkv(query, key, value, enable_gqa, rows_may_be_empty=rows_may_be_empty)
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        # torch.func's wrappers hide the storage the kernels read (vmap) or the gradient they
-        # track (grad, jacrev): refused by name rather than failing deep inside the lowering.
-        if torch._C._functorch.is_functorch_wrapped_tensor(t):
-            raise InputError(f"{name} is a tensor of a torch.func transform (grad, vmap, jacrev, ...): "
-                             f"flexcore's kernels run outside torch.func; differentiate with "
-                             f"torch.autograd (loss.backward(), torch.autograd.grad) and batch along B")
+    refuse_torch_func(query, key, value)
     D, Dv = query.shape[-1], value.shape[-1]
     if max(D, Dv) > 256:
         raise InputError(f"head dims up to 256 are supported; got D={D}, Dv={Dv}")
@@ -91,6 +85,20 @@ def check_call(query, key, value, score_mod, block_mask, scale, enable_gqa,
     if block_mask is not None:
         check_block_mask(block_mask, query.shape[0], query.shape[1], query.shape[2], key.shape[2],
                          query.device)
+
+
+def refuse_torch_func(query, key, value) -> None:
+    """InputError naming the argument that is a torch.func transform's tensor: its wrapper hides
+    the storage the kernels read (vmap) or the gradient they track (grad, jacrev), which would
+    fail deep inside the lowering. Not under torch.compile (Dynamo cannot trace the test; the
+    tensors it traces are its own fakes)."""
+    if torch.compiler.is_compiling():
+        return
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if isinstance(t, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(t):
+            raise InputError(f"{name} is a tensor of a torch.func transform (grad, vmap, jacrev, ...): "
+                             f"flexcore's kernels run outside torch.func; differentiate with "
+                             f"torch.autograd (loss.backward(), torch.autograd.grad) and batch along B")
 
 
 def check_scale(scale) -> None:
@@ -506,6 +514,8 @@ def _prepared(query, key, value, block_mask, scale, enable_gqa, kernel_options, 
     """(call, block_mask): the checked, prepared call for these inputs, from the cache where an
     earlier call had the same shapes, dtypes, devices, mask state, scale and options, else checked
     and prepared now; and the BlockMask the kernels read (the all-full one for None)."""
+    # Before the memo: a wrapped tensor shows the shape and dtype of the call it would reuse.
+    refuse_torch_func(query, key, value)
     try:
         # Types too: 1 == True, and a call that the checks would refuse must not find one they
         # passed.

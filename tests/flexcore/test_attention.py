@@ -741,6 +741,7 @@ def test_torch_func_transforms_are_refused_by_name(transform):
     def loss(q):
         return flex_attention(q, k, v, score_mod=lambda s, b, h, qi, ki: s + bias[h, ki]).sum()
 
+    flex_attention(q, k, v)  # an eager call of the same shapes first: its kept call is not reused
     call = torch.func.grad(loss) if transform == "grad" else torch.func.vmap(loss)
     with pytest.raises(InputError, match="query is a tensor of a torch.func transform"):
         call(q if transform == "grad" else q.unsqueeze(0))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from flexcore import create_block_mask
+from flexcore import create_block_mask, flex_attention
 from flexcore.decoding import offset_mask_mod, offset_score_mod
 from flexcore.errors import InputError
 from flexcore.kernels import codegen
@@ -411,3 +411,25 @@ def test_paged_decode_gpu(S):
             part = slice(b, b + 2)
             assert_matches_reference(q[part], k[part], v[part], None, shared, out[part], lse[part],
                                      f"{what} S={S} batch {b}")
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_call_refuses_a_conversion_whose_pages_were_erased_and_reused(dynamic):
+    """Under torch.compile a converted mask whose sequence was erased (its pages now another
+    sequence's) is refused as in an eager call, not attended silently over the new owner's keys."""
+    torch._dynamo.reset()
+    H, D = 2, 16
+    paged = PagedAttention(n_pages=8, page_size=16, max_batch_size=2, device="cpu")
+    k_cache, v_cache = torch.randn(1, H, 128, D), torch.randn(1, H, 128, D)
+    paged.reserve(torch.tensor(0), torch.tensor(40))
+    logical = create_block_mask(lambda b, h, q, kv: kv >= 0, 1, None, 1, 128, BLOCK_SIZE=(16, 16))
+    bm = paged.convert_logical_block_mask(logical, batch_idx=torch.tensor([0]),
+                                          kv_len=torch.tensor([40]))
+    q = torch.randn(1, H, 1, D)
+    compiled = torch.compile(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm),
+                             backend="eager", dynamic=dynamic)
+    compiled(q, k_cache, v_cache, bm)
+    paged.erase(torch.tensor(0))
+    paged.reserve(torch.tensor(1), torch.tensor(40))
+    with pytest.raises(InputError, match="erase/reserve changed them"):
+        compiled(q, k_cache, v_cache, bm)
