@@ -83,3 +83,11 @@ class KernelFallbackWarning(UserWarning):
     """A faster kernel failed to build or launch for a call, and a slower one serves it (and the
     calls like it in this process). Correct results, lost speed: the message names the kernel and
     the error. ``warnings.simplefilter("error", KernelFallbackWarning)`` turns it into an error."""
+
+
+class RelowerWarning(UserWarning):
+    """One mod has been lowered to many different kernels: a value it reads (a Python number in a
+    closure, a global, a default argument) changes between calls, and each value is a constant of
+    its generated code, so each new value costs a trace and a Triton compile. Issued once per mod;
+    reading the changing value from a captured tensor (torch.tensor(pos), or
+    flexcore.decoding.offset_score_mod / offset_mask_mod) makes it an argument of one kernel."""

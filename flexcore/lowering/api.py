@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
+from flexcore.errors import RelowerWarning
 from flexcore.lowering.cache import FastGuard, LRUCache, guard_key
 from flexcore.lowering.names import capture_names
 from flexcore.lowering.codegen import generate
@@ -15,6 +17,10 @@ _cache = LRUCache(maxsize=512)
 _fast = FastGuard(maxsize=512)
 #: Number of traces run in this process (tests count re-traces with it).
 trace_count = 0
+#: Distinct generated sources of one mod (its code, name, dtype and math) before RelowerWarning
+#: says why.
+RELOWER_WARNING_AT = 8
+_relowerings: dict = {}
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,7 +123,30 @@ def lower_mod(fn, kind: str, score_dtype: torch.dtype = torch.float32, fast_math
     if guard is not None:
         _cache.put(cache_key, (lowered, guard[1]))
         _fast.put(fn, variant, guard, lowered)
+    _count_relowering(fn, variant, lowered.source)
     return lowered
+
+
+def _count_relowering(fn, variant, source: str) -> None:
+    """RelowerWarning, once, when the same mod (code and name: a compiled call's replayed mod
+    keeps the user's name) has been lowered to RELOWER_WARNING_AT different sources for one
+    variant (a new captured tensor gives the same source, hence the same kernel)."""
+    key = (getattr(fn, "__code__", None), mod_name(fn), variant)
+    if len(_relowerings) > 4096:  # long-lived processes with many mods: forget, warn again later
+        _relowerings.clear()
+    sources = _relowerings.setdefault(key, set())
+    if len(sources) >= RELOWER_WARNING_AT:
+        return
+    sources.add(hashlib.sha1(source.encode()).digest())
+    count = len(sources)
+    if count == RELOWER_WARNING_AT:
+        warnings.warn(
+            f"{variant[0]}_mod {mod_name(fn)!r} has been lowered to {count} different kernels: a value it "
+            f"reads (a Python number in a closure, a global or a default argument) changes between calls, "
+            f"and each value is a constant of its generated code (a trace and a Triton compile per value, "
+            f"under torch.compile(dynamic=True) too). Read a changing value from a captured tensor "
+            f"instead (torch.tensor(pos), or flexcore.decoding.offset_score_mod / offset_mask_mod): it is "
+            f"then an argument of one kernel", RelowerWarning, stacklevel=4)
 
 
 def lower_score_mod(fn, score_dtype: torch.dtype = torch.float32, fast_math: bool = False) -> LoweredMod:
@@ -157,4 +186,5 @@ def clear_cache() -> None:
 
     _cache.clear()
     _fast.clear()
+    _relowerings.clear()
     vjp._cache.clear()

@@ -1076,3 +1076,37 @@ def test_flamingo_mask_in_the_kernels_matches_torch():
                                                                           device="cpu"))
     torch.testing.assert_close(flex_attention(q, k, v, block_mask=bm), expected,
                                atol=2e-5, rtol=2e-5)
+
+
+def test_a_mod_lowered_for_many_values_says_why_once():
+    """A mod reading a Python number that changes between calls (a decoding position) is lowered
+    once per value: the 8th distinct lowering warns, naming the mod and the remedy; repeated values
+    and captured tensors do not count."""
+    import warnings
+
+    from flexcore.errors import RelowerWarning
+    from flexcore.lowering import api
+
+    def at(pos):
+        def shifted_alibi(score, b, h, q_idx, kv_idx):
+            return score + (kv_idx - q_idx - pos) * 0.125
+        return shifted_alibi
+
+    api.clear_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RelowerWarning)
+        for pos in list(range(api.RELOWER_WARNING_AT - 1)) * 2:  # seven values, each twice
+            lower_score_mod(at(pos))
+        def shifted_by(offset):
+            def shifted(score, b, h, q_idx, kv_idx):
+                return score + (kv_idx - q_idx - offset) * 0.125
+            return shifted
+
+        for pos in range(20):  # a captured tensor: one lowering for every value
+            lower_score_mod(shifted_by(torch.tensor(pos)))
+    with pytest.warns(RelowerWarning, match="score_mod 'shifted_alibi' has been lowered to 8 different kernels"):
+        lower_score_mod(at(100))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RelowerWarning)
+        lower_score_mod(at(101))  # once per mod
+    api.clear_cache()
