@@ -84,10 +84,13 @@ def check_block_mask(block_mask, B: int, Hq: int, L: int, S: int, device: torch.
                          f"which flex_attention converts), or None; got {type(block_mask).__name__}")
     mq, mkv = block_mask.seq_lengths
     if (mq, mkv) != (L, S):
+        # Under torch.compile with dynamic shapes the lengths are SymInts, which Dynamo cannot put
+        # into an f-string (BUILD_STRING type error hides this message); a tuple it can format.
+        built, call = (mq, mkv), (L, S)
         raise InputError(
-            f"block_mask was built for Q_LEN={mq}, KV_LEN={mkv} but query has length {L} and key {S}. "
-            f"Build it with create_block_mask(mask_mod, B, H, {L}, {S}); for decoding with a sliced "
-            f"mask, set its lengths with mask.seq_lengths = ({L}, {S})")
+            f"block_mask was built for lengths (Q_LEN, KV_LEN) = {built}, but the query and key have "
+            f"lengths {call}. Build it for those with create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN); "
+            f"for decoding with a sliced mask, set mask.seq_lengths to them")
     mb, mh, qb = block_mask.kv_num_blocks.shape
     # Explicit comparisons: `in` over symbolic sizes misjudges them under Dynamo (dynamic=True).
     if (mb != 1 and mb != B) or (mh != 1 and mh != Hq):

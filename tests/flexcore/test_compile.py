@@ -1024,3 +1024,25 @@ def test_dynamic_shapes_with_a_captured_tensor_computed_in_the_compiled_function
 
     out = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")(q, k, v, big)
     torch.testing.assert_close(out, fn(q, k, v, big), rtol=1e-6, atol=1e-6)
+
+
+def test_a_mask_of_other_lengths_is_named_with_symbolic_lengths():
+    """After calls of other lengths Dynamo makes the lengths symbolic; a mask built for other
+    lengths is still refused with flexcore's message (formatting symbolic lengths one by one in an
+    f-string lost it to Dynamo's BUILD_STRING error)."""
+    torch._dynamo.reset()
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    f = torch.compile(lambda q, k, v, bm: flex_attention(q, k, v, block_mask=bm), backend="eager", fullgraph=True)
+    bm = create_block_mask(causal, 1, None, 128, 128, device="cpu", BLOCK_SIZE=32)
+    q = torch.randn(1, 2, 128, 16)
+    f(q, q, q, bm)
+    for L in (96, 64):  # each refused; the second recompile makes the lengths symbolic
+        with pytest.raises(Exception, match="block_mask was built for lengths"):
+            f(*(torch.randn(1, 2, L, 16),) * 3, bm)
+    small = create_block_mask(causal, 1, None, 96, 96, device="cpu", BLOCK_SIZE=32)
+    with pytest.raises(Exception, match="block_mask was built for lengths"):
+        f(q, q, q, small)
+    torch._dynamo.reset()
