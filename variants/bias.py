@@ -7,7 +7,7 @@ import math
 import torch
 
 from variants.basic import generate_causal_mask
-from variants.core import Mods, Param, Reference, Variant
+from variants.core import Mods, Param, Reference, Variant, VariantError
 
 
 def alibi_slopes(H: int, device) -> torch.Tensor:
@@ -173,6 +173,10 @@ def _relative(shape, max_distance, init_std, seed):
 
 
 def _t5(shape, num_buckets, max_distance, bidirectional, init_std, seed):
+    if bidirectional and num_buckets < 4:
+        raise VariantError(f"t5_bias: parameter 'num_buckets' = {num_buckets} is invalid with "
+                           f"bidirectional=True; expected at least 4 (half of the buckets per "
+                           f"direction, of which half exact)")
     buckets = t5_relative_buckets(shape.Q_LEN, shape.KV_LEN, num_buckets, max_distance,
                                   bidirectional, shape.device)
     bucket_bias = learned_bucket_bias(shape.H, num_buckets, init_std, seed, shape.device)

@@ -170,6 +170,10 @@ def test_parameter_checks_cover_cross_parameter_constraints():
         variants.get("speculative_tree").make(Q_LEN=20, depth=5)
     with pytest.raises(VariantError, match="Q_LEN = 0"):
         variants.get("causal").make(Q_LEN=0)
+    for buckets in (2, 3):  # half the buckets per direction, half of those exact: at least 4
+        with pytest.raises(VariantError, match="'num_buckets' = .* bidirectional=True"):
+            variants.get("t5_bias").make(H=2, Q_LEN=8, num_buckets=buckets)
+    variants.get("t5_bias").make(H=2, Q_LEN=8, num_buckets=2, bidirectional=False)
 
 
 def test_param_declarations_are_checked():
