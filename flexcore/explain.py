@@ -25,8 +25,9 @@ class Explanation:
 
     Attributes:
         backend: the options' backend ("auto", "triton" or "gluon").
-        forward_kernel: "triton-decode", "gluon-dense", "gluon-masked" or "triton".
-        backward_kernel: "gluon" or "triton".
+        forward_kernel: "triton-decode", "gluon-dense", "gluon-masked", "triton", or "none"
+            (a batch or query length of 0: an empty result, nothing launched).
+        backward_kernel: "gluon", "triton" or "none".
         lines: the readable account, forward first.
     """
 
@@ -59,9 +60,13 @@ def explain(query, key, value, score_mod=None, block_mask=None, scale=None, enab
     from flexcore.masks import noop_mask
 
     attention.ready()
-    attention.check_call(query, key, value, score_mod, block_mask, scale, enable_gqa)
-    attention.validate_inputs(query, key, value, block_mask, scale, enable_gqa)
+    attention.check_call(query, key, value, score_mod, block_mask, scale, enable_gqa, rows_may_be_empty=True)
     opts = KernelOptions.from_any(kernel_options)
+    if query.shape[0] == 0 or query.shape[2] == 0:  # as flex_attention: an empty result, no kernel
+        return Explanation(opts.backend, "none", "none", (
+            f"no rows (batch {query.shape[0]}, query length {query.shape[2]}): flex_attention returns "
+            f"an empty output and lse without launching a kernel",))
+    attention.validate_inputs(query, key, value, block_mask, scale, enable_gqa)
     is_fp8 = query.dtype == fp8.FP8_DTYPE
     if is_fp8:  # the FP8 rules: a forward kernel (not the decoding one) at every query length
         opts = fp8.fp8_options(opts)

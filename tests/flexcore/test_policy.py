@@ -161,6 +161,12 @@ def test_explain_says_which_kernels_and_why():
     # Bad input is refused as flex_attention refuses it.
     with pytest.raises(InputError, match="query"):
         flexcore.explain(q[0], k, v)
+    # No query rows: flex_attention returns an empty result without a kernel, and explain says so.
+    empty = flexcore.explain(q[:, :, :0], k, v)
+    assert (empty.forward_kernel, empty.backward_kernel) == ("none", "none") and "no rows" in str(empty)
+    assert flex_attention(q[:, :, :0], k, v).shape == (1, 2, 0, 32)
+    with pytest.raises(InputError, match="key"):  # no keys: refused by both
+        flexcore.explain(q, k[:, :, :0], v[:, :, :0])
 
 
 def test_explain_launches_nothing(monkeypatch):
