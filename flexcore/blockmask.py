@@ -842,7 +842,17 @@ class BlockMask:
         if name == "mask_mod":
             d[name] = _checked_mask_mod(value)
         elif name == "seq_lengths":
-            d[name] = _seq_lengths_pair(value)
+            new = _seq_lengths_pair(value)
+            old, d[name] = d[name], new
+            if d["full_kv_indices"] is not None and _grown_ragged_dims(old, new, d["BLOCK_SIZE"]):
+                block_map = self.block_map()
+                demoted = _demote_grown_edges(block_map, old, new, d["BLOCK_SIZE"])
+                if demoted is not block_map:  # growing over a ragged edge: new tables
+                    rebuilt = type(self).from_trusted_block_map(
+                        demoted, d["BLOCK_SIZE"], new, d["mask_mod"], d["q_indices"] is not None)
+                    d.update({n: rebuilt.__dict__[n] for n in _TABLES})
+                    self._seal(fresh=_TABLES)
+                    return
         elif name == "BLOCK_SIZE":
             d[name] = _block_size_pair(value)
         else:
@@ -1126,7 +1136,8 @@ class BlockMask:
             raise InputError(f"_adjust({new_q_len}, {new_kv_len}) needs {rows} x {cols} blocks of "
                              f"{self.BLOCK_SIZE}, but the mask has {QB} x {KB}: it can only be "
                              f"cropped; build a new mask for longer sequences")
-        block_map = self.block_map()[:, :, :rows, :cols]
+        block_map = _demote_grown_edges(self.block_map(), self.seq_lengths, (new_q_len, new_kv_len),
+                                        self.BLOCK_SIZE)[:, :, :rows, :cols]
         adjusted = type(self).from_trusted_block_map(block_map, self.BLOCK_SIZE, (new_q_len, new_kv_len),
                                               self.mask_mod, self.q_indices is not None,
                                               with_full=self.full_kv_indices is not None)
@@ -1302,6 +1313,26 @@ def block_map_of(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
             block_map = torch.maximum(block_map, full)
         else:
             _map_from_ordered(full_kv_num_blocks, full_kv_indices, FULL, block_map)
+    return block_map
+
+
+def _grown_ragged_dims(old: tuple[int, int], new: tuple[int, int], block_size: tuple[int, int]) -> list[int]:
+    """The dims (0: queries, 1: keys) whose length grows past an old edge that cut a block short."""
+    return [d for d in (0, 1) if new[d] > old[d] and old[d] % block_size[d]]
+
+
+def _demote_grown_edges(block_map: Tensor, old: tuple[int, int], new: tuple[int, int],
+                        block_size: tuple[int, int]) -> Tensor:
+    """A ragged edge block is classified over its in-range positions only, so it may be full; when
+    the lengths grow past the old edge within that block, the positions added were never
+    classified: list such blocks as partial (the mask_mod decides them, as in torch)."""
+    demote = [d for d in _grown_ragged_dims(old, new, block_size) if old[d] // block_size[d] < block_map.shape[2 + d]]
+    if not demote or not bool((block_map == FULL).any()):
+        return block_map
+    block_map = block_map.clone()
+    for d in demote:
+        edge = block_map.select(2 + d, old[d] // block_size[d])
+        edge.clamp_(max=PARTIAL)
     return block_map
 
 

@@ -95,11 +95,29 @@ def from_torch_block_mask(block_mask, cls):
     elif mask_mod is tfa.noop_mask:
         mask_mod = noop_mask
     seq_lengths = tuple(int(n) for n in block_mask.seq_lengths)
-    return cls.from_kv_blocks(block_mask.kv_num_blocks, block_mask.kv_indices,
-                              block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+    kv_num_blocks, kv_indices = _drop_past_edge(block_mask.kv_num_blocks, block_mask.kv_indices)
+    full_kv_num_blocks, full_kv_indices = _drop_past_edge(block_mask.full_kv_num_blocks,
+                                                          block_mask.full_kv_indices)
+    return cls.from_kv_blocks(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                               BLOCK_SIZE=tuple(block_mask.BLOCK_SIZE), mask_mod=mask_mod,
                               seq_lengths=seq_lengths,
                               compute_q_blocks=block_mask.q_indices is not None)
+
+
+def _drop_past_edge(num, indices):
+    """torch's ``BlockMask._adjust`` crops the index tables to the new block columns but recounts
+    them by comparing index *values* with the counts, so a cropped row can list blocks past its
+    last column (torch's dense view and kernels skip them). Drop such entries, as torch does."""
+    if num is None or indices is None or not indices.numel() or torch.compiler.is_compiling():
+        return num, indices  # (traced: unreadable, the tables pass through unchanged as before)
+    cols = indices.shape[-1]
+    listed = torch.arange(cols, device=indices.device) < num[..., None]
+    past = listed & (indices >= cols)
+    if not bool(past.any()):
+        return num, indices
+    keep = listed & ~past
+    order = torch.sort((~keep).to(torch.int8), dim=-1, stable=True).indices
+    return keep.sum(-1).to(num.dtype), indices.gather(-1, order)
 
 
 def to_torch_block_mask(mask):

@@ -158,7 +158,7 @@ def test_bad_input_names_the_argument(case):
         k, match = k.to("meta"), "key is a meta tensor"
     elif case == "mask_len":
         kwargs["block_mask"] = create_block_mask(causal, None, None, 128, 128, device=DEVICE)
-        match = "Q_LEN=128, KV_LEN=128"
+        match = r"\(Q_LEN, KV_LEN\) = \(128, 128\)"
     elif case == "mask_heads":
         kwargs["block_mask"] = create_block_mask(causal, None, 3, 64, 64, device=DEVICE, BLOCK_SIZE=32)
         match = "heads 3"

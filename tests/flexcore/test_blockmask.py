@@ -699,3 +699,31 @@ def test_validation_on_gpu_tables():
     bm.full_kv_indices[0, 0, 9, 0] = 1
     with pytest.raises(InputError, match="full_kv_indices was modified in place"):
         bm.check_unmodified()
+
+
+def _kv_below_70(b, h, q_idx, kv_idx):
+    return kv_idx < 70
+
+
+def test_growing_past_a_ragged_edge_lists_that_block_as_partial():
+    """The edge block of a length that cuts it short is classified over its in-range positions (so
+    here it is full); lengths grown past that edge (by _adjust or seq_lengths) add positions never
+    classified: the block becomes partial and the mask_mod decides them, as in torch."""
+    from flexcore import flex_attention
+
+    L, S, grown_len = 32, 70, 80
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 16, dtype=torch.float64, generator=gen) for n in (L, grown_len, grown_len))
+    keep = (torch.arange(grown_len) < 70).expand(L, grown_len)
+    expected = torch.softmax((q @ k.transpose(-1, -2) / 4).masked_fill(~keep, float("-inf")), -1) @ v
+    mask = create_block_mask(_kv_below_70, 1, 1, L, S, device="cpu", BLOCK_SIZE=16)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=mask._adjust(L, grown_len)), expected)
+    grown = create_block_mask(_kv_below_70, 1, 1, L, S, device="cpu", BLOCK_SIZE=16)
+    grown.seq_lengths = (L, grown_len)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=grown), expected)
+    # Cropping, or growing past an edge that cut no block short, keeps the tables.
+    whole = create_block_mask(_kv_below_70, 1, 1, 32, 64, device="cpu", BLOCK_SIZE=16)
+    assert whole._adjust(32, 60).full_kv_num_blocks.tolist() == [[[4, 4]]]
+    assert mask._adjust(30, 70).full_kv_num_blocks.tolist() == [[[5, 5]]]
+    assert mask._adjust(32, 80).full_kv_num_blocks.tolist() == [[[4, 4]]]
+    assert mask._adjust(32, 80).kv_num_blocks.tolist() == [[[1, 1]]]

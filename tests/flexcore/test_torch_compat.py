@@ -457,3 +457,17 @@ def test_every_public_name_of_torch_flex_attention_is_in_flexcore():
     missing = [name for name in torch_flex.__all__ if not hasattr(flexcore, name)]
     assert not missing, f"torch.nn.attention.flex_attention names missing from flexcore: {missing}"
     assert set(torch_flex.__all__) <= set(flexcore.__all__)
+
+
+def test_a_mask_cropped_by_torchs_adjust_runs_as_torch_runs_it():
+    """torch's _adjust recounts cropped rows by comparing index values with counts, so a row cut to
+    3 key blocks may still list block 3; torch skips it, and so does the conversion."""
+    tm = tfa.create_block_mask(causal, 1, 1, 100, 70, device="cpu", BLOCK_SIZE=16)._adjust(50, 35)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 50, 16, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(1, 1, 35, 16, dtype=torch.float64, generator=gen) for _ in range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = tfa.flex_attention(q, k, v, block_mask=tm)
+    torch.testing.assert_close(flex_attention(q, k, v, block_mask=tm), expected)
+    assert torch.equal(BlockMask.from_torch(tm).to_dense(), tm.to_dense())
