@@ -644,6 +644,14 @@ def check_recorded(tables: tuple, versions: tuple) -> None:
             raise InputError(_edited_message(name, version, table._version))
 
 
+def check_guards(kv_indices: Tensor) -> None:
+    """Run the guards that the producer of ``kv_indices`` attached (BlockMask._add_guards: a
+    PagedAttention conversion is refused once erase/reserve moved its pages), for callers that
+    hold the tables rather than the mask (flexcore.ops under torch.compile)."""
+    for guard in _TABLE_GUARDS.get(kv_indices, ()):
+        guard()
+
+
 def _edited_message(name: str, version: int, now: int) -> str:
     return (f"{name} was modified in place after the BlockMask was built; rebuild it with "
             f"BlockMask.from_kv_blocks(...) (or create_block_mask). Its version counter "
@@ -1326,7 +1334,8 @@ def _demote_grown_edges(block_map: Tensor, old: tuple[int, int], new: tuple[int,
     """A ragged edge block is classified over its in-range positions only, so it may be full; when
     the lengths grow past the old edge within that block, the positions added were never
     classified: list such blocks as partial (the mask_mod decides them, as in torch)."""
-    demote = [d for d in _grown_ragged_dims(old, new, block_size) if old[d] // block_size[d] < block_map.shape[2 + d]]
+    demote = [d for d in _grown_ragged_dims(old, new, block_size)
+              if old[d] // block_size[d] < block_map.shape[2 + d]]
     if not demote or not bool((block_map == FULL).any()):
         return block_map
     block_map = block_map.clone()

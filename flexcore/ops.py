@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from flexcore.blockmask import _TABLE_GUARDS, check_recorded, recorded_versions
+from flexcore.blockmask import check_guards, check_recorded, recorded_versions
 from flexcore.errors import ControlFlowError, InputError, ModError, UnsupportedOpError
 from flexcore.lowering.indexcheck import decided_without_evaluation
 from flexcore.lowering.trace import _CONTROL_FLOW, control_flow_message
@@ -652,11 +652,8 @@ def _prepare(call, tables, block, score_caps, mask_caps, numbers, query, key):
     recorded = None if holder is None else recorded_versions(tuple(tables))
     if recorded is not None:
         check_recorded(tables, recorded)
-    if holder is not None:
-        # Checks the tables' producer attached (PagedAttention: a conversion is refused once
-        # erase/reserve moved its pages), as an eager call's check_unmodified runs them.
-        for guard in _TABLE_GUARDS.get(tables[1], ()):
-            guard()
+    if holder is not None:  # as an eager call's check_unmodified runs them
+        check_guards(tables[1])
     ident = (call, numbers, *block, *map(id, tables), *map(id, score_caps), *map(id, mask_caps),
              *query.shape, *key.shape, recorded)
     kept = _prepared_calls if holder is None else holder.__dict__.get("_flexcore_prepared")
